@@ -1,0 +1,40 @@
+# One entry point for people and CI. `make example` and `make test` work on a
+# fresh machine with nothing but python3 (3.11+): they build .venv from the
+# hashed lock file first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: example test lint typecheck check bench clean
+
+$(STAMP): requirements-dev.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check --require-hashes -r requirements-dev.lock
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+example: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/example.sh
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# mypy cannot follow setuptools' editable import hook (daemon/ -> skilltrain),
+# so it checks a symlink view of the package instead.
+typecheck: $(STAMP)
+	rm -rf build/typecheck && mkdir -p build/typecheck/skilltrain
+	ln -s $(CURDIR)/daemon/*.py $(CURDIR)/daemon/py.typed build/typecheck/skilltrain/
+	ln -s $(CURDIR)/handlers build/typecheck/skilltrain/handlers
+	cd build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p skilltrain
+
+check: lint typecheck test
+
+bench: $(STAMP)
+	$(BIN)/python bench/leakguard_bench.py
+
+clean:
+	rm -rf $(VENV) build

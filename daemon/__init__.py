@@ -1,0 +1,1 @@
+"""skilltrain: hands-off skill training of an LLM screenwriter."""

@@ -1,0 +1,3 @@
+from skilltrain.cli import main
+
+main()

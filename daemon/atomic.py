@@ -1,0 +1,63 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half.
+
+Temp file in the same directory (so os.replace is a rename on one
+filesystem), fsync of the file, os.replace, fsync of the directory (so the
+rename itself survives a power cut). Temp names share one prefix, so the
+files a crash left behind are found and removed at start-up.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+TEMP_PREFIX = ".skilltrain-tmp-"
+
+
+def write_text(path: Path, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=f".{path.name}", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def leftover_temp_files(root: Path) -> Iterator[Path]:
+    """Temp files of interrupted writes anywhere under root."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            if name.startswith(TEMP_PREFIX):
+                yield Path(dirpath) / name
+
+
+def remove_leftover_temp_files(root: Path) -> int:
+    """Delete what crashed writes left behind; returns how many."""
+    removed = 0
+    for path in leftover_temp_files(root):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    return removed

@@ -1,0 +1,136 @@
+"""`skilltrain` (also `python -m skilltrain`): the command line.
+
+Every command module is imported when its command runs, so `--help`,
+`status`, `tail` and `audit` stay fast and never import litellm.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from skilltrain.errors import SkilltrainError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, metavar="PATH",
+                        help="config file (default: ./config.toml)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skilltrain",
+        description="Hands-off skill training of an LLM screenwriter: watches runs/, "
+                    "writes loss reports, triggers the optimizer.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("daemon", help="run the service in the foreground (systemd runs this)")
+    _config_arg(p)
+    p.add_argument("--once", action="store_true",
+                   help="scan, process everything ready, wait for it, exit (cron, tests)")
+    p.set_defaults(func=_daemon)
+
+    p = sub.add_parser("loss", help="write one loss report (the one-shot step)",
+                       description="Put the model's screenplay next to the human original "
+                                   "and write up how they differ.")
+    _config_arg(p)
+    p.add_argument("--work", required=True, type=Path, help="data/<work> folder")
+    p.add_argument("--scripts", required=True, type=Path, help="folder of the model's epNN.txt")
+    p.add_argument("--out", required=True, type=Path, help="report file to write")
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--last", type=int, required=True)
+    p.add_argument("--model", default=None, help="litellm model id (default: [llm] model)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per LLM request (default: [llm] timeout)")
+    p.set_defaults(func=_loss)
+
+    p = sub.add_parser("status", help="every set and its state")
+    _config_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_status)
+
+    p = sub.add_parser("tail", help="readable progress from the JSON log")
+    _config_arg(p)
+    p.add_argument("-f", "--follow", action="store_true", help="keep reading (survives rotation)")
+    p.add_argument("--run", default=None, help="only this run")
+    p.add_argument("--event", default=None, help="only events with this name or prefix")
+    p.set_defaults(func=_tail)
+
+    p = sub.add_parser("audit", help="scan runs/ for answer-key leaks; exit 1 on a leak")
+    _config_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_audit)
+
+    p = sub.add_parser("install-service", help="render the systemd unit for a workspace",
+                       add_help=False)
+    p.set_defaults(func=_install_service)
+    return parser
+
+
+def _loss(args: argparse.Namespace) -> int:
+    from skilltrain import loss_command
+
+    return loss_command.main(args)
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    from skilltrain import service
+
+    return service.main(config_path=args.config, once=args.once)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from skilltrain import status
+
+    return status.main(config_path=args.config, as_json=args.json)
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from skilltrain import config, tail
+
+    cfg = config.load(args.config)
+    if cfg.log.file is None:
+        raise SkilltrainError("[log] file is not set: there is no JSON log to tail")
+    return tail.main(cfg.log.file, follow=args.follow, run=args.run, event=args.event)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from skilltrain import audit, config, dataset
+
+    cfg = config.load(args.config)
+    works = {name: {n: text for n in work.human_episodes()
+                    for text in [dataset.read_episode(work.human_dir / dataset.episode_name(n),
+                                                      label="human episode")]}
+             for name, work in dataset.discover_works(cfg.paths.data).items()}
+    return audit.run(cfg.paths.runs, works, as_json=args.json)
+
+
+def _install_service(args: argparse.Namespace) -> int:
+    from skilltrain import service_unit
+
+    return service_unit.main(args.rest)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["install-service"]:
+        # install-service has its own parser; hand it everything after the name.
+        args = argparse.Namespace(func=_install_service, rest=argv[1:])
+    else:
+        args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except SkilltrainError as e:
+        print(f"skilltrain: {e}", file=sys.stderr)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(int(code))
+
+
+if __name__ == "__main__":
+    main()

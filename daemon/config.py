@@ -1,0 +1,178 @@
+"""config.toml: one typed, frozen config object, validated once at start.
+
+Validation is pydantic's (already a litellm dependency): strict types, unknown
+keys rejected, and every error turned into one line that names the key, the
+value and what is allowed. Relative paths are resolved against the directory
+of the config file, so the daemon behaves the same whatever its working
+directory is.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+from skilltrain.errors import ConfigError
+
+DEFAULT_CONFIG = Path("config.toml")
+LLM_ENV_PREFIX = "SKILLTRAIN_LLM_"
+BUILTIN_MODEL = "builtin/craft-metrics"
+
+# TOML has no path type: accept a string here, stay strict everywhere else.
+PathValue = Annotated[Path, Strict(False)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class PathsConfig(_Section):
+    data: PathValue = Path("data")
+    runs: PathValue = Path("runs")
+    prompts: PathValue = Path("prompts")
+
+
+class LLMConfig(_Section):
+    model: str = Field(BUILTIN_MODEL, min_length=1)
+    api_base: str | None = None
+    timeout: float = Field(600.0, gt=0)
+    max_retries: int = Field(4, ge=0, le=20)
+    backoff_initial_s: float = Field(2.0, gt=0)
+    backoff_max_s: float = Field(120.0, gt=0)
+    max_output_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    budget_usd: float | None = Field(None, gt=0)
+
+
+class LossConfig(_Section):
+    episodes_per_report: int = Field(3, ge=1)
+    settle_seconds: float = Field(30.0, ge=0)
+    concurrency: int = Field(4, ge=1, le=256)
+    max_attempts: int = Field(5, ge=1)
+    retry_backoff_s: float = Field(60.0, ge=0)
+
+
+class WatchConfig(_Section):
+    resync_seconds: float = Field(300.0, gt=0)
+    observer: Literal["auto", "native", "polling"] = "auto"
+
+
+class OptimizerConfig(_Section):
+    command: list[str] = Field(default_factory=list)
+    timeout_s: float = Field(3600.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+
+
+class LogConfig(_Section):
+    file: PathValue | None = Path("runs/skilltrain.jsonl")
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class IntegrityConfig(_Section):
+    on_leak: Literal["redact", "refuse"] = "redact"
+
+
+class DaemonConfig(_Section):
+    shutdown_timeout_s: float = Field(60.0, ge=0)
+
+
+class Config(_Section):
+    paths: PathsConfig = PathsConfig()
+    llm: LLMConfig = LLMConfig()
+    loss: LossConfig = LossConfig()
+    watch: WatchConfig = WatchConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    log: LogConfig = LogConfig()
+    integrity: IntegrityConfig = IntegrityConfig()
+    daemon: DaemonConfig = DaemonConfig()
+    source: Path | None = Field(None, exclude=True)
+
+
+def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read, override from the environment, validate and resolve paths.
+
+    `path=None` means the default ./config.toml, which may be absent (then the
+    defaults apply); a path given explicitly must exist.
+    """
+    environ = os.environ if environ is None else environ
+    explicit = path is not None
+    path = DEFAULT_CONFIG if path is None else path
+    raw: dict[str, Any] = {}
+    if path.exists():
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read: {e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    elif explicit:
+        raise ConfigError(f"{path}: config file not found")
+    raw = _apply_env_overrides(raw, environ)
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {_describe(e, raw)}") from None
+    return _resolve_paths(config, path.resolve().parent, source=path.resolve())
+
+
+def _apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """SKILLTRAIN_LLM_<KEY>=value overrides [llm] <key>.
+
+    The value is read as a TOML literal when it is one (`30`, `true`), else
+    as a plain string (`openai/gpt-4o-mini`, `http://127.0.0.1:8000/v1`), so
+    numbers and strings both work without quoting.
+    """
+    llm = dict(raw.get("llm") or {})
+    for name, value in environ.items():
+        if not name.startswith(LLM_ENV_PREFIX):
+            continue
+        key = name[len(LLM_ENV_PREFIX):].lower()
+        try:
+            llm[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            llm[key] = value
+    if llm:
+        raw = {**raw, "llm": llm}
+    return raw
+
+
+def _describe(error: ValidationError, raw: Mapping[str, Any]) -> str:
+    """The first validation error as one line: key, value, what is allowed."""
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    key = f"[{loc[0]}] {'.'.join(loc[1:])}" if len(loc) > 1 else loc[0]
+    if first["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        hint = difflib.get_close_matches(loc[-1], allowed, n=1)
+        did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return f"unknown key {key}{did_you_mean}; allowed: {', '.join(allowed)}"
+    value = first.get("input")
+    return f"{key} = {value!r}: {first['msg']}"
+
+
+def _allowed_keys(section: list[str]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in section:
+        annotation = model.model_fields[part].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation
+    return [name for name, field in model.model_fields.items() if not field.exclude]
+
+
+def _resolve_paths(config: Config, base: Path, source: Path) -> Config:
+    def resolve(p: Path) -> Path:
+        return p if p.is_absolute() else (base / p).resolve()
+
+    paths = PathsConfig(
+        data=resolve(config.paths.data),
+        runs=resolve(config.paths.runs),
+        prompts=resolve(config.paths.prompts),
+    )
+    log_file = None if config.log.file is None else resolve(config.log.file)
+    log = config.log.model_copy(update={"file": log_file})
+    return config.model_copy(update={"paths": paths, "log": log, "source": source})

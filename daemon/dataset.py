@@ -1,0 +1,184 @@
+"""Works and episodes: data/<work>/human/epNN.txt and the writer's scripts/.
+
+Reading is strict on purpose. An episode that is missing, empty, not UTF-8,
+not a regular file, or a symlink out of its allowed root is refused with a
+reason that names the file; the seed skipped such files silently and so
+compared a screenplay against a hole. Refusal messages name paths and
+numbers only, never file contents.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from skilltrain.errors import ConfigError, RefusedError
+
+# Exactly `ep` + two or more digits + `.txt`; rsync temp files (.ep01.txt.XYZ),
+# ep01.txt.tmp and editor swap files do not match.
+EPISODE_NAME = re.compile(r"ep(\d{2,})\.txt")
+
+
+def episode_number(name: str) -> int | None:
+    match = EPISODE_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def episode_name(n: int) -> str:
+    return f"ep{n:02d}.txt"
+
+
+def format_range(first: int, last: int) -> str:
+    return f"{first:02d}-{last:02d}"
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def episodes_digest(episodes: Mapping[int, str]) -> str:
+    """One hash over a range of episodes, sensitive to numbering and content."""
+    h = hashlib.sha256()
+    for n in sorted(episodes):
+        h.update(f"{n}:{sha256_text(episodes[n])}\n".encode())
+    return h.hexdigest()
+
+
+def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
+                 max_bytes: int | None = None) -> str:
+    """Read one episode or raise RefusedError saying which file and why.
+
+    `confine_to`: a symlink may only lead to a file inside this directory.
+    `max_bytes`: refuse larger files before reading them into memory.
+    """
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
+    if stat.S_ISLNK(st.st_mode):
+        target = path.resolve()
+        if confine_to is None or not target.is_relative_to(confine_to.resolve()):
+            raise RefusedError(f"{label} {path} is a symlink out of {confine_to or 'its folder'}"
+                               "; not followed")
+        st = target.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise RefusedError(f"{label} {path} is not a regular file")
+    if st.st_size == 0:
+        raise RefusedError(f"{label} {path} is empty (0 bytes)")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise RefusedError(f"{label} {path} is {st.st_size:,} bytes, over the "
+                           f"{max_bytes:,}-byte limit the model's context window allows")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RefusedError(f"{label} {path} is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise RefusedError(f"{label} {path} is empty (whitespace only)")
+    return text
+
+
+def read_range(directory: Path, first: int, last: int, *, label: str,
+               confine_to: Path | None = None, max_bytes: int | None = None) -> dict[int, str]:
+    """Every episode first..last, or RefusedError naming the first bad one.
+
+    A range with no episode at all gets the seed's message; a range with some
+    present names the first missing one.
+    """
+    numbers = range(first, last + 1)
+    if not any(os.path.lexists(directory / episode_name(n)) for n in numbers):
+        raise RefusedError(f"no {label} episodes {first}-{last} in {directory}")
+    budget = max_bytes
+    episodes: dict[int, str] = {}
+    for n in numbers:
+        text = read_episode(directory / episode_name(n), label=f"{label} episode",
+                            confine_to=confine_to, max_bytes=budget)
+        episodes[n] = text
+        if budget is not None:
+            budget -= len(text.encode("utf-8"))
+    return episodes
+
+
+@dataclass(frozen=True)
+class Work:
+    """One work: its answer key under human/ and optional work.toml."""
+
+    name: str
+    root: Path
+    title: str
+    explicit_ranges: tuple[tuple[int, int], ...] | None
+
+    @property
+    def human_dir(self) -> Path:
+        return self.root / "human"
+
+    def human_episodes(self) -> list[int]:
+        """Episode numbers present in human/, sorted."""
+        if not self.human_dir.is_dir():
+            return []
+        numbers = (episode_number(entry.name) for entry in os.scandir(self.human_dir))
+        return sorted(n for n in numbers if n is not None)
+
+    def ranges(self, episodes_per_report: int) -> list[tuple[int, int]]:
+        """work.toml's ranges, else the human episodes in chunks (last may be shorter)."""
+        if self.explicit_ranges is not None:
+            return list(self.explicit_ranges)
+        return list(chunk(self.human_episodes(), episodes_per_report))
+
+    def read_human(self, first: int, last: int, max_bytes: int | None = None) -> dict[int, str]:
+        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes)
+
+
+def chunk(numbers: Iterable[int], size: int) -> Iterable[tuple[int, int]]:
+    ordered = sorted(numbers)
+    for i in range(0, len(ordered), size):
+        part = ordered[i:i + size]
+        yield part[0], part[-1]
+
+
+def load_work(root: Path) -> Work:
+    """A work folder; work.toml (title, ranges) is optional."""
+    root = root.resolve()
+    if not root.is_dir():
+        raise ConfigError(f"work folder {root} does not exist")
+    title, ranges = root.name, None
+    meta = root / "work.toml"
+    if meta.exists():
+        try:
+            raw = tomllib.loads(meta.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{meta}: not valid TOML: {e}") from None
+        title = str(raw.get("title", title))
+        if "ranges" in raw:
+            ranges = _parse_ranges(meta, raw["ranges"])
+    return Work(name=root.name, root=root, title=title, explicit_ranges=ranges)
+
+
+def _parse_ranges(meta: Path, value: object) -> tuple[tuple[int, int], ...]:
+    allowed = "a list of [first, last] pairs of episode numbers, first <= last"
+    if not isinstance(value, list):
+        raise ConfigError(f"{meta}: ranges = {value!r}: must be {allowed}")
+    ranges = []
+    for item in value:
+        ok = (isinstance(item, list) and len(item) == 2
+              and all(isinstance(n, int) and n >= 0 for n in item) and item[0] <= item[1])
+        if not ok:
+            raise ConfigError(f"{meta}: ranges item {item!r}: must be {allowed}")
+        ranges.append((item[0], item[1]))
+    return tuple(ranges)
+
+
+def discover_works(data_dir: Path) -> dict[str, Work]:
+    """Every folder of data/ that has a human/ folder, by name."""
+    if not data_dir.is_dir():
+        return {}
+    works = {}
+    for entry in sorted(os.scandir(data_dir), key=lambda e: e.name):
+        if entry.is_dir() and os.path.isdir(os.path.join(entry.path, "human")):
+            works[entry.name] = load_work(Path(entry.path))
+    return works

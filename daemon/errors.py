@@ -1,0 +1,49 @@
+"""The error hierarchy and the process exit codes.
+
+Expected failures (a refused range, a bad config, a second instance) are
+subclasses of SkilltrainError and are logged as one clear line without a
+traceback. Anything else is a bug and is logged with its traceback.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes; systemd's RestartPreventExitStatus= names CONFIG."""
+
+    OK = 0
+    FAILURE = 1  # a job or command failed (one-shot loss, audit found a leak)
+    CONFIG = 2  # bad config.toml, template or command line: restarting cannot help
+    ALREADY_RUNNING = 3  # another daemon holds the lock on this runs/ root
+    WATCHER_DIED = 4  # the filesystem observer died: let the supervisor restart us
+
+
+class SkilltrainError(Exception):
+    """Root of every error this package raises on purpose."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+
+class ConfigError(SkilltrainError):
+    """Raised when config.toml, an environment override or a template is invalid."""
+
+    exit_code = ExitCode.CONFIG
+
+
+class RefusedError(SkilltrainError):
+    """Raised when a loss job must not run or must not write: missing, empty,
+    half-written or oversized input, or an empty, truncated or leaking report.
+
+    The message is safe to log: it names files and numbers, never human text.
+    """
+
+
+class LLMError(SkilltrainError):
+    """Raised when the LLM call failed for good (retries exhausted or not retryable)."""
+
+
+class AlreadyRunningError(SkilltrainError):
+    """Raised when another daemon already holds the lock on the runs/ root."""
+
+    exit_code = ExitCode.ALREADY_RUNNING

@@ -1,0 +1,229 @@
+"""Every LLM call goes through here: litellm, with one retry policy.
+
+PITFALLS: the OpenAI SDK under litellm retries on its own (3 attempts) and
+litellm's `num_retries` adds more on top, with no wait. Both are switched
+off (`max_retries=0`, `num_retries=0`) and tenacity owns the policy:
+exponential backoff with full jitter on 429/5xx/timeouts/connection errors,
+at least as long as a Retry-After header asks, no retry on auth or
+bad-request errors.
+
+litellm costs ~5 s to import, so it is imported on first use only; `status`,
+`tail`, `audit` and `--help` never pay for it.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import tenacity
+
+from skilltrain.config import BUILTIN_MODEL, LLMConfig
+from skilltrain.errors import LLMError
+
+Message = dict[str, Any]
+RetryHook = Callable[[int, float, BaseException], None]
+
+_import_lock = threading.Lock()
+_litellm: ModuleType | None = None
+
+
+def litellm() -> ModuleType:
+    """Import and configure litellm once: offline cost map, no banners."""
+    global _litellm
+    with _import_lock:
+        if _litellm is None:
+            # Must be set before the import: otherwise litellm fetches its cost
+            # map from the internet at import time.
+            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+            import litellm as module
+
+            module.suppress_debug_info = True  # no "Give Feedback" banner on stdout
+            module.telemetry = False
+            from skilltrain import craft_metrics
+
+            craft_metrics.register()
+            _litellm = module
+    return _litellm
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str | None
+    tokens_in: int
+    tokens_out: int
+    tokens_cached: int
+    cost_usd: float | None
+    attempts: int
+
+
+class RetryableError(Exception):
+    """A transient failure: worth another attempt after a wait."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def count_tokens(model: str, messages: Sequence[Message]) -> int:
+    return int(litellm().token_counter(model=model, messages=list(messages)))
+
+
+def max_input_tokens(model: str) -> int | None:
+    """The model's input window, or None when litellm does not know the model."""
+    try:
+        info = litellm().get_model_info(model)
+    except Exception:
+        return None
+    value = info.get("max_input_tokens") or info.get("max_tokens")
+    return int(value) if value else None
+
+
+def supports_prompt_caching(model: str) -> bool:
+    try:
+        return bool(litellm().supports_prompt_caching(model=model))
+    except Exception:
+        return False
+
+
+def complete(messages: Sequence[Message], settings: LLMConfig, *,
+             on_retry: RetryHook | None = None,
+             sleep: Callable[[float], None] = time.sleep,
+             rng: random.Random | None = None) -> Completion:
+    """One chat completion with the retry policy; raises LLMError when it gives up.
+
+    `sleep` is how the policy waits: the daemon passes one that returns early
+    (raising) on shutdown; tests pass a recorder.
+    """
+    rng = rng or random.Random()
+    attempts = 0
+
+    def attempt() -> Any:
+        nonlocal attempts
+        attempts += 1
+        return _call(messages, settings)
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        # Full jitter (AWS architecture blog): spreads a burst of 429s apart.
+        ceiling = min(settings.backoff_max_s,
+                      settings.backoff_initial_s * 2 ** (state.attempt_number - 1))
+        delay = rng.uniform(0, ceiling)
+        if isinstance(exc, RetryableError) and exc.retry_after_s is not None:
+            delay = max(delay, min(exc.retry_after_s, settings.backoff_max_s))
+        return delay
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if on_retry is not None and state.outcome is not None and state.next_action:
+            error = state.outcome.exception()
+            assert error is not None
+            on_retry(state.attempt_number, state.next_action.sleep, error)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(RetryableError),
+        stop=tenacity.stop_after_attempt(settings.max_retries + 1),
+        wait=wait,
+        sleep=sleep,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        response = retrying(attempt)
+    except RetryableError as e:
+        raise LLMError(f"gave up after {attempts} attempts: {e}") from None
+    return _completion(response, settings.model, attempts)
+
+
+def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
+    lm = litellm()
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "messages": list(messages),
+        "timeout": settings.timeout,
+        "max_retries": 0,  # the OpenAI SDK's own retries: off, ours rule
+        "num_retries": 0,  # litellm's retries: off
+    }
+    if settings.api_base:
+        kwargs["api_base"] = settings.api_base
+    if settings.max_output_tokens:
+        kwargs["max_tokens"] = settings.max_output_tokens
+    if settings.temperature is not None:
+        kwargs["temperature"] = settings.temperature
+    try:
+        return lm.completion(**kwargs)
+    except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
+            lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
+        raise RetryableError(_describe(e), _retry_after(e)) from None
+    except lm.APIError as e:
+        # Any other provider-side 5xx we do not know by name is transient too.
+        if (getattr(e, "status_code", 0) or 0) >= 500:
+            raise RetryableError(_describe(e), _retry_after(e)) from None
+        raise LLMError(_describe(e)) from None
+    except lm.AuthenticationError as e:
+        raise LLMError(_describe(e)) from None
+    except lm.BadRequestError as e:
+        raise LLMError(_describe(e)) from None
+    except Exception as e:
+        if type(e).__module__.startswith(("litellm", "openai", "httpx")):
+            raise LLMError(_describe(e)) from None
+        raise
+
+
+def _describe(error: BaseException) -> str:
+    """Class and status, and the provider's message cut short.
+
+    The message is the provider's, not ours: it can echo the request (hence
+    the prompt, hence the human text) or a key. Keep it to one line and the
+    first 200 characters; log scrubbing removes anything shaped like a key.
+    """
+    status = getattr(error, "status_code", None)
+    message = " ".join(str(getattr(error, "message", "") or error).split())[:200]
+    kind = type(error).__name__
+    return f"{kind} (HTTP {status}): {message}" if status else f"{kind}: {message}"
+
+
+def _retry_after(error: BaseException) -> float | None:
+    """Seconds the server asked us to wait (Retry-After), if it said."""
+    headers: Any = getattr(error, "litellm_response_headers", None)
+    response = getattr(error, "response", None)
+    if headers is None and response is not None:
+        headers = getattr(response, "headers", None)
+    if not headers:
+        return None
+    value = headers.get("retry-after") or headers.get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _completion(response: Any, model: str, attempts: int) -> Completion:
+    choice = response.choices[0]
+    usage = getattr(response, "usage", None)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) or 0
+    cached = cached or getattr(usage, "cache_read_input_tokens", 0) or 0
+    return Completion(
+        text=choice.message.content or "",
+        finish_reason=choice.finish_reason,
+        tokens_in=int(getattr(usage, "prompt_tokens", 0) or 0),
+        tokens_out=int(getattr(usage, "completion_tokens", 0) or 0),
+        tokens_cached=int(cached),
+        cost_usd=_cost(response, model),
+        attempts=attempts,
+    )
+
+
+def _cost(response: Any, model: str) -> float | None:
+    if model == BUILTIN_MODEL:
+        return 0.0
+    try:
+        return float(litellm().completion_cost(completion_response=response))
+    except Exception:
+        return None  # unmapped model: unknown cost, not zero

@@ -1,0 +1,48 @@
+"""`skilltrain loss`: the seed's one-shot loss step, with its flags and messages."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from skilltrain import config, dataset
+from skilltrain.errors import ExitCode, LLMError, RefusedError
+from skilltrain.handlers import loss
+from skilltrain.templates import PromptTemplates
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config.load(args.config)
+    overrides: dict[str, object] = {}
+    if args.model:
+        overrides["model"] = args.model
+    if args.timeout:
+        overrides["timeout"] = args.timeout
+    settings = cfg.llm.model_copy(update=overrides)
+    work = dataset.load_work(args.work)
+    job = loss.LossJob(work=work, scripts_dir=args.scripts.resolve(),
+                       report_path=args.out.resolve(), first=args.first, last=args.last)
+    label = f"{work.name} ep{job.first:02d}-{job.last:02d}"
+
+    def started(chars: int, tokens: int) -> None:
+        print(f"[loss] {label}, prompt {chars:,} chars, {tokens:,} tokens", flush=True)
+
+    def retry(attempt: int, wait_s: float, error: BaseException) -> None:
+        print(f"[loss] attempt {attempt} failed ({error}); retrying in {wait_s:.1f}s",
+              file=sys.stderr, flush=True)
+
+    try:
+        result = loss.run(job, settings=settings, templates=PromptTemplates(cfg.paths.prompts),
+                          on_leak=cfg.integrity.on_leak,
+                          hooks=loss.LossHooks(started=started, retry=retry))
+    except RefusedError as e:
+        print(f"[loss] refused: {e}", file=sys.stderr)
+        return ExitCode.FAILURE
+    except LLMError as e:
+        print(f"[loss] failed: {e}", file=sys.stderr)
+        return ExitCode.FAILURE
+    c = result.completion
+    cost = "unknown cost" if c.cost_usd is None else f"${c.cost_usd:.4f}"
+    print(f"[loss] wrote {result.report_path} ({result.report_bytes:,} bytes; "
+          f"{c.tokens_in:,} tokens in, {c.tokens_out:,} out, {c.tokens_cached:,} cached, "
+          f"{cost}, {result.leaks_redacted} leaks redacted)", flush=True)
+    return ExitCode.OK

@@ -1,0 +1,230 @@
+"""The loss: put the model's screenplay next to the human original and write
+up how they differ in craft.
+
+Both were made from the same story, so plot is not the subject. This is the
+one place where the answer key is opened. The report that comes out is the
+training signal -- a paragraph of prose instead of a number, but playing the
+same role -- and the only thing the optimizer is allowed to learn from. So
+every refusal below exists because a wrong report is worse than none.
+
+Nothing is written until everything succeeded: the prompt archive, the
+report and the sidecar are written together, atomically, at the end.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from skilltrain import atomic, craft_metrics, dataset, leakguard, llm
+from skilltrain.config import LLMConfig
+from skilltrain.errors import RefusedError
+from skilltrain.templates import PromptTemplates
+
+TEMPLATE = "loss"
+SIDECAR_SCHEMA = 1
+# English runs at about 4 bytes a token; no tokenizer averages 16. A range
+# larger than window * 16 bytes cannot fit, and is refused from its size
+# alone, before a 50 MB file is read into memory.
+MAX_BYTES_PER_TOKEN = 16
+# Tokens kept free for the report when the model's window is checked.
+OUTPUT_RESERVE_TOKENS = 4_096
+
+CompleteFn = Callable[..., llm.Completion]
+
+
+@dataclass(frozen=True)
+class LossJob:
+    """What one report compares: a work's range against a folder of scripts."""
+
+    work: dataset.Work
+    scripts_dir: Path
+    report_path: Path
+    first: int
+    last: int
+
+    @property
+    def range_label(self) -> str:
+        return dataset.format_range(self.first, self.last)
+
+    @property
+    def archive_path(self) -> Path:
+        return self.report_path.with_name(f"{self.report_path.stem}_prompt.md")
+
+    @property
+    def sidecar_path(self) -> Path:
+        return sidecar_path(self.report_path)
+
+
+def sidecar_path(report_path: Path) -> Path:
+    return report_path.with_name(f"{report_path.stem}.json")
+
+
+@dataclass(frozen=True)
+class InputHashes:
+    """What a report was made from; equal hashes mean the report is up to date."""
+
+    human: str
+    model: str
+    template: str
+    model_id: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"human_sha256": self.human, "model_sha256": self.model,
+                "template_sha256": self.template, "model_id": self.model_id}
+
+
+@dataclass(frozen=True)
+class LossResult:
+    report_path: Path
+    report_bytes: int
+    hashes: InputHashes
+    completion: llm.Completion
+    prompt_chars: int
+    prompt_tokens: int
+    leaks_redacted: int
+    duration_ms: int
+    sidecar: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class LossHooks:
+    """Where the handler reports progress; the CLI prints, the daemon logs events."""
+
+    started: Callable[[int, int], None] = lambda chars, tokens: None
+    retry: llm.RetryHook | None = None
+
+
+def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
+        on_leak: str = "redact", confine_to: Path | None = None,
+        hooks: LossHooks | None = None, complete: CompleteFn = llm.complete,
+        sleep: Callable[[float], None] = time.sleep,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
+    """Write the difference report for episodes job.first..job.last.
+
+    Raises RefusedError (bad input or output: nothing written), LLMError
+    (the call failed for good: nothing written) or ConfigError (template).
+    """
+    hooks = hooks or LossHooks()
+    started_at, t0 = now(), time.monotonic()
+    window = llm.max_input_tokens(settings.model)
+    max_bytes = window * MAX_BYTES_PER_TOKEN if window else None
+
+    human = job.work.read_human(job.first, job.last, max_bytes=max_bytes)
+    model = dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
+                               confine_to=confine_to, max_bytes=max_bytes)
+    hashes = InputHashes(
+        human=dataset.episodes_digest(human),
+        model=dataset.episodes_digest(model),
+        template=templates.source_hash(TEMPLATE),
+        model_id=settings.model,
+    )
+    human_block = craft_metrics.format_episodes("Human", human)
+    model_block = craft_metrics.format_episodes("Model", model)
+    fields = dict(work=job.work.name, title=job.work.title,
+                  episode_range=f"{job.first}-{job.last}", model_scripts=model_block)
+    prompt = templates.render(TEMPLATE, human_scripts=human_block, **fields)
+    archive = templates.render(TEMPLATE, human_scripts=_placeholder(human), **fields)
+    messages = build_messages(prompt, model_block, settings.model)
+
+    prompt_tokens = llm.count_tokens(settings.model, messages)
+    if window is not None and prompt_tokens + OUTPUT_RESERVE_TOKENS > window:
+        raise RefusedError(
+            f"prompt for {job.work.name} ep{job.range_label} is {prompt_tokens:,} tokens; "
+            f"{settings.model} accepts {window:,} input tokens "
+            f"(with {OUTPUT_RESERVE_TOKENS:,} kept for the report)")
+    hooks.started(len(prompt), prompt_tokens)
+
+    completion = complete(messages, settings, on_retry=hooks.retry, sleep=sleep)
+    report = completion.text.strip()
+    if not report:
+        raise RefusedError(f"the model returned an empty report for {job.work.name} "
+                           f"ep{job.range_label}")
+    if completion.finish_reason not in ("stop", "end_turn", None):
+        raise RefusedError(f"the report for {job.work.name} ep{job.range_label} was cut off "
+                           f"(finish_reason={completion.finish_reason}, "
+                           f"{completion.tokens_out:,} tokens out)")
+
+    report, leaks = _guard(report, job, human, model, on_leak)
+    report_text = report + "\n"
+    duration_ms = int((time.monotonic() - t0) * 1000)
+    sidecar = {
+        "schema": SIDECAR_SCHEMA,
+        "work": job.work.name,
+        "range": job.range_label,
+        "first": job.first,
+        "last": job.last,
+        "model": settings.model,
+        "inputs": hashes.as_dict(),
+        "model_episodes": {dataset.episode_name(n): dataset.sha256_text(t)
+                           for n, t in model.items()},
+        "report_sha256": dataset.sha256_text(report_text),
+        "finish_reason": completion.finish_reason,
+        "tokens_in": completion.tokens_in,
+        "tokens_out": completion.tokens_out,
+        "tokens_cached": completion.tokens_cached,
+        "cost_usd": completion.cost_usd,
+        "attempts": completion.attempts,
+        "leaks_redacted": leaks,
+        "prompt_chars": len(prompt),
+        "prompt_tokens": prompt_tokens,
+        "duration_ms": duration_ms,
+        "started_at": started_at.isoformat(),
+        "finished_at": now().isoformat(),
+    }
+    # The sidecar goes last: its presence and hashes are what mark the report
+    # up to date, so a crash between the writes leaves a set that is redone.
+    atomic.write_text(job.archive_path, archive)
+    atomic.write_text(job.report_path, report_text)
+    atomic.write_text(job.sidecar_path, json.dumps(sidecar, indent=2) + "\n")
+    return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
+                      hashes=hashes, completion=completion, prompt_chars=len(prompt),
+                      prompt_tokens=prompt_tokens, leaks_redacted=leaks,
+                      duration_ms=duration_ms, sidecar=sidecar)
+
+
+def build_messages(prompt: str, model_block: str, model: str) -> list[llm.Message]:
+    """One user message; for providers with prompt caching, split so the stable
+    prefix (instructions + human screenplay) is marked cacheable."""
+    cut = prompt.find(model_block)
+    if cut <= 0 or not llm.supports_prompt_caching(model):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": "user", "content": [
+        {"type": "text", "text": prompt[:cut], "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": prompt[cut:]},
+    ]}]
+
+
+def _placeholder(human: dict[int, str]) -> str:
+    """What the archive shows instead of the answer key: what was removed, not what it said."""
+    words = sum(len(text.split()) for text in human.values())
+    numbers = sorted(human)
+    return (f"[human screenplay omitted from this archive: episodes "
+            f"{numbers[0]:02d}-{numbers[-1]:02d}, {len(numbers)} files, {words:,} words, "
+            f"sha256 {dataset.episodes_digest(human)[:16]}. The answer key never enters runs/.]")
+
+
+def _guard(report: str, job: LossJob, human: dict[int, str], model: dict[int, str],
+           on_leak: str) -> tuple[str, int]:
+    """Redact or refuse verbatim answer-key passages in the report."""
+    index = leakguard.index_for(job.work.name, human)
+    leaks = leakguard.find_leaks(report, index, allow_text="\n".join(model.values()))
+    if not leaks:
+        return report, 0
+    if on_leak == "refuse":
+        raise RefusedError(f"the report for {job.work.name} ep{job.range_label} quotes the "
+                           f"human screenplay verbatim in {len(leaks)} place(s)")
+    return leakguard.redact(report, leaks), len(leaks)
+
+
+def read_sidecar(report_path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(sidecar_path(report_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
