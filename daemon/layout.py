@@ -1,0 +1,116 @@
+"""Where things live under runs/, and what a path under runs/ means.
+
+    runs/<run>/epoch_EE/step_SS/<work>/scripts/epNN.txt        the writer's episodes
+    runs/<run>/loss/epoch_EE/step_SS/<work>_epFF-LL.md         report
+    runs/<run>/loss/epoch_EE/step_SS/<work>_epFF-LL_prompt.md  redacted prompt
+    runs/<run>/loss/epoch_EE/step_SS/<work>_epFF-LL.json       sidecar
+    runs/.skilltrain/                                          daemon state, lock
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skilltrain.dataset import episode_number, format_range
+
+EPOCH_DIR = re.compile(r"epoch_(\d+)")
+STEP_DIR = re.compile(r"step_(\d+)")
+SCRIPTS = "scripts"
+SUCCESS_MARKER = "_SUCCESS"
+LOSS_DIR = "loss"
+STATE_DIR = ".skilltrain"
+
+
+@dataclass(frozen=True, order=True)
+class StepKey:
+    run: str
+    epoch: int
+    step: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.run}/epoch_{self.epoch:02d}/step_{self.step:02d}"
+
+    def run_dir(self, runs: Path) -> Path:
+        return runs / self.run
+
+    def step_dir(self, runs: Path) -> Path:
+        return runs / self.run / f"epoch_{self.epoch:02d}" / f"step_{self.step:02d}"
+
+    def reports_dir(self, runs: Path) -> Path:
+        return runs / self.run / LOSS_DIR / f"epoch_{self.epoch:02d}" / f"step_{self.step:02d}"
+
+
+@dataclass(frozen=True, order=True)
+class SetKey:
+    """One loss report's worth of work: (run, epoch, step, work, range)."""
+
+    run: str
+    epoch: int
+    step: int
+    work: str
+    first: int
+    last: int
+
+    @property
+    def step_key(self) -> StepKey:
+        return StepKey(self.run, self.epoch, self.step)
+
+    @property
+    def range_label(self) -> str:
+        return format_range(self.first, self.last)
+
+    @property
+    def id(self) -> str:
+        return f"{self.step_key.id}/{self.work}/{self.range_label}"
+
+    def scripts_dir(self, runs: Path) -> Path:
+        return self.step_key.step_dir(runs) / self.work / SCRIPTS
+
+    def report_path(self, runs: Path) -> Path:
+        return self.step_key.reports_dir(runs) / f"{self.work}_ep{self.range_label}.md"
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"run": self.run, "epoch": self.epoch, "step": self.step,
+                "work": self.work, "range": self.range_label}
+
+
+@dataclass(frozen=True)
+class ScriptsPath:
+    """What a path under runs/ says about the writer's output."""
+
+    run: str
+    epoch: int
+    step: int
+    work: str
+    episode: int | None  # None: the scripts folder itself, _SUCCESS, or a folder above it
+
+
+def parse_runs_path(runs: Path, path: Path) -> ScriptsPath | None:
+    """Map a path under runs/ to the (run, epoch, step, work) it belongs to.
+
+    Returns None for anything outside the writer's layout (reports, state,
+    logs, stray files). A folder above scripts/ (a step or work folder that
+    was just created or moved in) maps with work="" or episode=None, so the
+    caller can rescan it.
+    """
+    try:
+        parts = path.relative_to(runs).parts
+    except ValueError:
+        return None
+    if len(parts) < 3 or parts[0].startswith(".") or parts[1] == LOSS_DIR:
+        return None
+    epoch, step = EPOCH_DIR.fullmatch(parts[1]), STEP_DIR.fullmatch(parts[2])
+    if not (epoch and step):
+        return None
+    work = parts[3] if len(parts) > 3 else ""
+    if len(parts) > 4 and parts[4] != SCRIPTS:
+        return None
+    episode = episode_number(parts[5]) if len(parts) == 6 else None
+    if len(parts) == 6 and episode is None and parts[5] != SUCCESS_MARKER:
+        return None  # temp, swap and other stray files in scripts/
+    if len(parts) > 6:
+        return None
+    return ScriptsPath(parts[0], int(epoch.group(1)), int(step.group(1)), work, episode)

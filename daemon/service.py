@@ -1,0 +1,681 @@
+"""`skilltrain daemon`: turn every finished episode range into one up-to-date report.
+
+    watchdog event (hint) ─┐
+    periodic resync scan ──┼─> evaluate(set)  (APScheduler date job, id = set id,
+    startup scan ──────────┘                   replace_existing: the debounce)
+                                   │ complete? settled? up to date? failed/backoff? budget?
+                                   v
+                         loss job (bounded pool; one per set at a time)
+                                   v
+                         report + archive + sidecar (atomic, by the loss handler)
+                                   v
+                         events -> step barrier -> optimizer
+
+Events are hints; the filesystem is the truth. `evaluate` is level-triggered:
+it looks at the set on disk and decides from what it sees, so a lost event,
+a restart or a second event for the same file changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import tomllib
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from skilltrain import atomic, config, dataset, layout, llm, log, notify
+from skilltrain.errors import (
+    ConfigError,
+    ExitCode,
+    LLMError,
+    RefusedError,
+    SkilltrainError,
+)
+from skilltrain.handlers import loss, optimizer
+from skilltrain.lock import RunsLock
+from skilltrain.observe import Fingerprint, HumanDigests, observe, report_is_current
+from skilltrain.state import SetState, StateStore
+from skilltrain.templates import PromptTemplates
+from skilltrain.watcher import Watcher
+
+HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
+RESCAN_DEBOUNCE_S = 0.5
+LOOP_TICK_S = 1.0
+RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
+
+
+class Abandoned(Exception):
+    """Raised inside a job when the daemon shuts down while the job waits to retry."""
+
+
+class Daemon:
+    """The service. Construction is cheap; `start()` does the work."""
+
+    def __init__(self, cfg: config.Config, *, once: bool = False,
+                 notifier: notify.Notifier | None = None,
+                 complete: Callable[..., llm.Completion] = llm.complete,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.runs = cfg.paths.runs
+        self.once = once
+        self.log = log.get_logger("skilltrain.daemon")
+        self.notifier = notifier or notify.Notifier.from_env()
+        self.complete = complete
+        self.clock = clock
+        self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
+        self.abort_event = threading.Event()  # abandon jobs waiting to retry
+        self.exit_code = ExitCode.OK
+        self.state = StateStore(self.runs)
+        self.templates = PromptTemplates(cfg.paths.prompts)
+        self.human_digests = HumanDigests()
+        self.works: dict[str, dataset.Work] = {}
+        self._lock = threading.RLock()
+        self._active: dict[str, Future[None]] = {}  # set id -> queued or running job
+        self._recheck: set[str] = set()  # changed while active: evaluate again afterwards
+        self._last_sigs: dict[str, Any] = {}  # set id -> (sigs, monotonic time they changed)
+        self._ignored: set[str] = set()
+        self._budget_reported: set[str] = set()
+        self._optimizer_futures: list[Future[None]] = []
+        self._progress_at = time.monotonic()
+        self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
+        self.scheduler = BackgroundScheduler(
+            executors={"default": {"type": "threadpool", "max_workers": 2}},
+            job_defaults={"misfire_grace_time": None, "coalesce": True, "max_instances": 4},
+            timezone=UTC)
+        self.pool = ThreadPoolExecutor(cfg.loss.concurrency, thread_name_prefix="loss")
+        self.optimizer_pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
+        self.watcher = Watcher(self.runs, cfg.watch.observer, self.hint, self.emit)
+        self._template_hash: tuple[float, str] | None = None
+        self.abandoned = 0
+
+    # ----------------------------------------------------------------- events
+    def emit(self, event: str, level: str = "info", **fields: Any) -> None:
+        getattr(self.log, level)(event, **fields)
+
+    # --------------------------------------------------------------- start-up
+    def start(self) -> None:
+        """Lock, clean up, check config, first scan, start intake. Raises on bad config."""
+        self.runs.mkdir(parents=True, exist_ok=True)
+        self._run_lock.acquire()
+        self.emit("daemon.started", pid=os.getpid(), version=_version(),
+                  config=str(self.cfg.source), runs_dir=str(self.runs),
+                  observer=self.cfg.watch.observer, concurrency=self.cfg.loss.concurrency,
+                  model=self.cfg.llm.model, once=self.once)
+        removed = atomic.remove_leftover_temp_files(self.runs)
+        if removed:
+            self.emit("daemon.cleaned", temp_files=removed)
+        self.templates.check(loss.TEMPLATE)  # a syntax error stops us here, with its line
+        optimizer.check_command(self.cfg.optimizer.command)
+        self.works = dataset.discover_works(self.cfg.paths.data)
+        if not self.works:
+            self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
+        self.state.load()
+        if self.cfg.llm.model and not self.once:
+            # Pay litellm's ~5 s import now, not in the first job's pickup latency.
+            threading.Thread(target=llm.litellm, name="litellm-import", daemon=True).start()
+        self.scheduler.start()
+        if not self.once:
+            self.watcher.start()
+        self.scan()
+        if not self.once:
+            interval = self.cfg.watch.resync_seconds
+            self.scheduler.add_job(self.scan, "interval", seconds=interval, id="resync",
+                                   jitter=max(1, int(interval * RESYNC_JITTER)),
+                                   replace_existing=True)
+        self.notifier.ready()
+        self.emit("daemon.ready", observer=self.watcher.kind or "none")
+
+    # ------------------------------------------------------------------- scan
+    def scan(self) -> None:
+        """Level-triggered reconciliation: look at every set under runs/."""
+        t0 = time.monotonic()
+        self._template_hash = None  # re-read the template once per scan
+        keys = list(self._discover_sets())
+        for key in keys:
+            try:
+                self.evaluate(key)
+            except Exception:
+                self.log.exception("set.error", **key.log_fields())
+        seen = {key.id for key in keys}
+        with self.state.lock:
+            for set_id in set(self.state.sets) - seen:
+                if set_id not in self._active:
+                    del self.state.sets[set_id]  # its folder is gone
+                    self.state.mark_dirty()
+        for step in sorted({key.step_key for key in keys}):
+            self.check_step(step)
+        counts = self.state.counts()
+        by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
+        self.emit("scan.completed", sets=len(seen),
+                  duration_ms=int((time.monotonic() - t0) * 1000), **by_state)
+        self.watcher.check_coverage()
+        self._progress_at = time.monotonic()
+
+    def _discover_sets(self) -> Iterator[layout.SetKey]:
+        for run in _subdirs(self.runs):
+            if run.name.startswith("."):
+                continue
+            for epoch_dir in _subdirs(run):
+                epoch = layout.EPOCH_DIR.fullmatch(epoch_dir.name)
+                if epoch is None:
+                    if epoch_dir.name != layout.LOSS_DIR:
+                        self._ignore(epoch_dir, "not an epoch_NN folder")
+                    continue
+                for step_dir in _subdirs(epoch_dir):
+                    step = layout.STEP_DIR.fullmatch(step_dir.name)
+                    if step is None:
+                        self._ignore(step_dir, "not a step_NN folder")
+                        continue
+                    step_key = layout.StepKey(run.name, int(epoch.group(1)), int(step.group(1)))
+                    yield from self._sets_of_step(step_key)
+
+    def _sets_of_step(self, step: layout.StepKey) -> Iterator[layout.SetKey]:
+        step_dir = step.step_dir(self.runs)
+        for work_dir in _subdirs(step_dir):
+            if work_dir.name not in self.works:
+                self._ignore(work_dir, "unknown work (no data/<work>/human/)")
+        for work in self._expected_works(step.run):
+            for first, last in work.ranges(self.cfg.loss.episodes_per_report):
+                yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
+
+    def _expected_works(self, run: str) -> list[dataset.Work]:
+        """All works in data/, or the subset runs/<run>/run.toml lists."""
+        run_toml = self.runs / run / "run.toml"
+        if not run_toml.exists():
+            return list(self.works.values())
+        try:
+            names = tomllib.loads(run_toml.read_text(encoding="utf-8")).get("works")
+        except (OSError, ValueError) as e:
+            self._ignore(run_toml, f"unreadable run.toml ({type(e).__name__}); using all works")
+            return list(self.works.values())
+        if not isinstance(names, list):
+            return list(self.works.values())
+        for name in names:
+            if name not in self.works:
+                self._ignore(run_toml, f"lists unknown work {name!r}")
+        return [self.works[n] for n in names if n in self.works]
+
+    def _ignore(self, path: Path, reason: str) -> None:
+        """Log a path we cannot use once, not at every scan."""
+        if str(path) not in self._ignored:
+            self._ignored.add(str(path))
+            self.emit("set.ignored", level="warning", path=str(path), reason=reason)
+
+    # ------------------------------------------------------------------ hints
+    def hint(self, path: Path) -> None:
+        """A filesystem event: schedule a look at whatever it touches."""
+        if self.stop_event.is_set():
+            return
+        parsed = layout.parse_runs_path(self.runs, path)
+        if parsed is None:
+            try:
+                parts = path.relative_to(self.runs).parts
+            except ValueError:
+                return
+            if 0 < len(parts) <= 2 and not parts[0].startswith(".") and path.is_dir():
+                self._schedule_scan()  # a run or epoch folder appeared or moved in
+            return
+        step = layout.StepKey(parsed.run, parsed.epoch, parsed.step)
+        for key in self._sets_of_step(step):
+            if parsed.work and key.work != parsed.work:
+                continue
+            if parsed.episode is not None and not key.first <= parsed.episode <= key.last:
+                continue
+            self.schedule_evaluate(key, delay_s=HINT_DEBOUNCE_S)
+
+    def _schedule_scan(self) -> None:
+        self.scheduler.add_job(self.scan, "date", id="rescan", replace_existing=True,
+                               run_date=_at(time.time() + RESCAN_DEBOUNCE_S))
+
+    def schedule_evaluate(self, key: layout.SetKey, *, delay_s: float = 0.0,
+                          at: float | None = None) -> None:
+        """Debounce: one pending evaluation per set; a new one replaces it."""
+        if self.once or self.stop_event.is_set():
+            return
+        when = at if at is not None else time.time() + delay_s
+        with contextlib.suppress(Exception):  # scheduler already shut down
+            self.scheduler.add_job(self._evaluate_job, "date", args=[key], id=key.id,
+                                   replace_existing=True, run_date=_at(when))
+
+    def _evaluate_job(self, key: layout.SetKey) -> None:
+        try:
+            self.evaluate(key)
+        except Exception:
+            self.log.exception("set.error", **key.log_fields())
+        self.check_step(key.step_key)
+
+    # --------------------------------------------------------------- evaluate
+    def evaluate(self, key: layout.SetKey) -> None:
+        """Look at one set and do the one right thing for it now."""
+        with self._lock:
+            if key.id in self._active:
+                self._recheck.add(key.id)  # coalesce: look again when the job ends
+                return
+            self._evaluate_locked(key)
+
+    def _evaluate_locked(self, key: layout.SetKey) -> None:
+        obs = observe(key, self.runs)
+        rec = self.state.get(key.id)
+        if not obs.complete:
+            self.state.update(key.id, SetState.WAITING, reason=obs.problem)
+            return
+        work = self.works[key.work]
+        human = self.human_digests.digest(work, key.first, key.last) or ""
+        fp = Fingerprint(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
+        recorded = Fingerprint.from_json(rec.fingerprint) if rec and rec.fingerprint else None
+        if human and report_is_current(key, self.runs, fp, recorded):
+            if rec is None or rec.state != SetState.DONE or recorded != fp:
+                self.state.update(key.id, SetState.DONE, reason=None, attempts=0,
+                                  fingerprint=fp.as_json(), next_retry_at=None)
+            return
+
+        now = self.clock()
+        ready_at = max(obs.ready_at(self.cfg.loss.settle_seconds), self._changed_at(key, obs))
+        report_exists = key.report_path(self.runs).exists()
+        if ready_at > now:
+            self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
+                              reason=f"settling until {_iso(ready_at)}")
+            self.schedule_evaluate(key, at=ready_at)
+            return
+        if rec and rec.state == SetState.REFUSED and rec.refused_fingerprint == fp.as_json():
+            return  # the same input was refused already; wait for it to change
+        if rec and rec.state == SetState.FAILED and rec.fingerprint == fp.as_json():
+            if rec.attempts >= self.cfg.loss.max_attempts:
+                return  # gave up; stays visible as failed until its input changes
+            if rec.next_retry_at and rec.next_retry_at > now:
+                self.schedule_evaluate(key, at=rec.next_retry_at)
+                return
+        if self._over_budget(key.run):
+            self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
+                              reason="budget reached")
+            return
+        if report_exists:
+            self._report_stale(key)
+        attempts = rec.attempts if rec and rec.state == SetState.FAILED \
+            and rec.fingerprint == fp.as_json() else 0
+        self._submit(key, fp, attempts)
+
+    def _changed_at(self, key: layout.SetKey, obs: Any) -> float:
+        """A set whose files changed since we last looked waits settle_seconds from now.
+
+        mtimes alone would do on a local disk; this guards against a writer
+        whose clock (NFS) or copy tool (`cp -p`, rsync -t) sets old mtimes.
+        """
+        previous = self._last_sigs.get(key.id)
+        now = self.clock()
+        if previous is None:
+            self._last_sigs[key.id] = (obs.sigs, 0.0)
+            return 0.0
+        sigs, changed = previous
+        if sigs != obs.sigs:
+            self._last_sigs[key.id] = (obs.sigs, now)
+            return now + self.cfg.loss.settle_seconds if not obs.success_marker else 0.0
+        return changed + self.cfg.loss.settle_seconds if changed and not obs.success_marker \
+            else 0.0
+
+    def _report_stale(self, key: layout.SetKey) -> None:
+        step = self.state.steps.get(key.step_key.id)
+        after_optimizer = bool(step and step.optimizer_done)
+        self.emit("set.stale", level="warning" if after_optimizer else "info",
+                  reason="inputs changed since the report was written"
+                  + ("; the optimizer already ran for this step and is NOT re-triggered"
+                     if after_optimizer else ""), **key.log_fields())
+
+    def template_hash(self) -> str:
+        cached = self._template_hash
+        if cached is None or time.monotonic() - cached[0] > 1.0:
+            cached = (time.monotonic(), self.templates.source_hash(loss.TEMPLATE))
+            self._template_hash = cached
+        return cached[1]
+
+    def _over_budget(self, run: str) -> bool:
+        budget = self.cfg.llm.budget_usd
+        if budget is None:
+            return False
+        spent = self.state.spend.get(run)
+        if spent is None or spent.cost_usd < budget:
+            return False
+        if run not in self._budget_reported:
+            self._budget_reported.add(run)
+            self.emit("budget.reached", level="warning", run=run,
+                      spent_usd=round(spent.cost_usd, 6), budget_usd=budget)
+        return True
+
+    # ------------------------------------------------------------------- jobs
+    def _submit(self, key: layout.SetKey, fp: Fingerprint, attempts: int) -> None:
+        job_id = uuid.uuid4().hex[:12]
+        self.state.update(key.id, SetState.QUEUED, reason=None, fingerprint=fp.as_json(),
+                          attempts=attempts)
+        self.emit("set.ready", **key.log_fields())
+        self.emit("loss.queued", job_id=job_id, **key.log_fields())
+        future = self.pool.submit(self._run_job, key, fp, job_id, attempts)
+        self._active[key.id] = future
+
+    def _run_job(self, key: layout.SetKey, fp: Fingerprint, job_id: str, attempts: int) -> None:
+        try:
+            # Context for every line this job logs, in this worker thread.
+            with log.bound_job(job_id=job_id, **key.log_fields()):
+                try:
+                    self._run_loss(key, fp, attempts)
+                except Exception:
+                    self.log.exception("loss.failed", reason="internal error")
+                    self._fail(key, fp, attempts, "internal error")
+        finally:
+            with self._lock:
+                self._active.pop(key.id, None)
+                again = key.id in self._recheck
+                self._recheck.discard(key.id)
+            if again:
+                self.schedule_evaluate(key)
+            self.check_step(key.step_key)
+            self._progress_at = time.monotonic()
+
+    def _run_loss(self, key: layout.SetKey, fp: Fingerprint, attempts: int) -> None:
+        if self.stop_event.is_set():
+            return
+        if observe(key, self.runs).sigs != fp.sigs:
+            # Changed while queued: the settle wait starts again.
+            self.schedule_evaluate(key)
+            return
+        self.state.update(key.id, SetState.RUNNING)
+        job = loss.LossJob(work=self.works[key.work], scripts_dir=key.scripts_dir(self.runs),
+                           report_path=key.report_path(self.runs), first=key.first,
+                           last=key.last)
+
+        def started(chars: int, tokens: int) -> None:
+            self.emit("loss.started", prompt_chars=chars, prompt_tokens=tokens,
+                      attempt=attempts + 1)
+
+        def retry(attempt: int, wait_s: float, error: BaseException) -> None:
+            self.emit("loss.retry", level="warning", attempt=attempt, wait_s=round(wait_s, 3),
+                      error=str(error))
+
+        try:
+            result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
+                              on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
+                              hooks=loss.LossHooks(started=started, retry=retry),
+                              complete=self.complete, sleep=self._interruptible_sleep)
+        except RefusedError as e:
+            self.emit("loss.refused", level="warning", reason=str(e))
+            self.state.update(key.id, SetState.REFUSED, reason=str(e),
+                              refused_fingerprint=fp.as_json())
+            return
+        except (LLMError, ConfigError) as e:
+            self._fail(key, fp, attempts, str(e))
+            return
+        except Abandoned:
+            self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
+            return
+        c = result.completion
+        spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
+                                     c.cost_usd)
+        self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
+                          fingerprint=fp.as_json())
+        self.emit("loss.completed", report=str(result.report_path), tokens_in=c.tokens_in,
+                  tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
+                  duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
+                  attempts=c.attempts)
+        self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
+                  cost_usd=round(spend.cost_usd, 6))
+
+    def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str) -> None:
+        attempts += 1
+        gave_up = attempts >= self.cfg.loss.max_attempts
+        next_at = None if gave_up else self._next_retry(attempts - 1)
+        self.emit("loss.failed", level="error", reason=reason, attempts=attempts,
+                  next_retry_s=None if next_at is None else round(next_at - self.clock(), 1))
+        self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
+                          next_retry_at=next_at, fingerprint=fp.as_json())
+        if next_at is not None:
+            self.schedule_evaluate(key, at=next_at)
+
+    def _next_retry(self, failures_before: int) -> float:
+        base = self.cfg.loss.retry_backoff_s * 2 ** failures_before
+        return self.clock() + base * random.uniform(0.8, 1.2)
+
+    def _interruptible_sleep(self, seconds: float) -> None:
+        if self.abort_event.wait(seconds):
+            raise Abandoned()
+
+    # ------------------------------------------------------------ step barrier
+    def check_step(self, step: layout.StepKey) -> None:
+        """When every expected set of a step is done: step.reported once, then the optimizer."""
+        keys = list(self._sets_of_step(step))
+        if not keys:
+            return
+        with self.state.lock:
+            if not all((r := self.state.sets.get(k.id)) and r.state == SetState.DONE
+                       for k in keys):
+                return
+            rec = self.state.steps.get(step.id)
+            first_time = rec is None or rec.reported_at is None
+            rec = self.state.step(step.id)
+            if first_time:
+                rec.reported_at = self.clock()
+            due = (not rec.optimizer_done
+                   and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
+                   and (rec.optimizer_next_at or 0) <= self.clock()
+                   and not self._optimizer_running(step))
+            if due:
+                rec.optimizer_attempts += 1
+        if first_time:
+            self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
+                      reports_dir=str(step.reports_dir(self.runs)), sets=len(keys))
+        if due:
+            self._trigger_optimizer(step)
+
+    def _optimizer_running(self, step: layout.StepKey) -> bool:
+        return any(not f.done() and getattr(f, "step_id", None) == step.id
+                   for f in self._optimizer_futures)
+
+    def _trigger_optimizer(self, step: layout.StepKey) -> None:
+        if not self.cfg.optimizer.command:
+            self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
+            return
+        future = self.optimizer_pool.submit(self._run_optimizer, step)
+        future.step_id = step.id  # type: ignore[attr-defined]
+        self._optimizer_futures = [f for f in self._optimizer_futures if not f.done()] + [future]
+
+    def _run_optimizer(self, step: layout.StepKey) -> None:
+        values = {"run": step.run, "epoch": f"{step.epoch:02d}", "step": f"{step.step:02d}",
+                  "reports_dir": str(step.reports_dir(self.runs)),
+                  "run_dir": str(step.run_dir(self.runs))}
+        argv = optimizer.render_argv(self.cfg.optimizer.command, values)
+        fields = {"run": step.run, "epoch": step.epoch, "step": step.step}
+        with log.bound_job(**fields):
+            self.emit("optimizer.started", argv=argv)
+            result = optimizer.run(argv, timeout_s=self.cfg.optimizer.timeout_s, emit=self.emit)
+            rec = self.state.step(step.id)
+            with self.state.lock:
+                rec.optimizer_exit_code = result.exit_code
+                rec.optimizer_done = result.exit_code == 0
+                if not rec.optimizer_done:
+                    rec.optimizer_next_at = self.clock() + self.cfg.loss.retry_backoff_s
+            self.emit("optimizer.finished", exit_code=result.exit_code,
+                      duration_ms=result.duration_ms)
+            if result.reason is not None:
+                self.emit("optimizer.failed", level="error", reason=result.reason,
+                          attempt=rec.optimizer_attempts,
+                          will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
+
+    # ------------------------------------------------------------- main loop
+    def status_line(self) -> str:
+        counts = self.state.counts()
+        spent = sum(s.cost_usd for s in self.state.spend.values())
+        return (f"{counts.get('done', 0)} done, {counts.get('queued', 0)} queued, "
+                f"{counts.get('running', 0)} running, {counts.get('failed', 0)} failed, "
+                f"${spent:.2f}")
+
+    def healthy(self) -> bool:
+        """For the systemd watchdog: intake alive and the loop not stuck."""
+        watcher_ok = self.once or self.watcher.alive()
+        return (watcher_ok and self.scheduler.running
+                and time.monotonic() - self._progress_at < max(60.0, 3 * LOOP_TICK_S))
+
+    def run_forever(self) -> None:
+        """The main thread's loop: health, state flush, status; until stopped."""
+        pinger = notify.WatchdogPinger(self.notifier, self.healthy, self.stop_event)
+        pinger.start()
+        last_status = ""
+        while not self.stop_event.wait(LOOP_TICK_S):
+            self._progress_at = time.monotonic()
+            if self.watcher.root_replaced() or not self.watcher.alive():
+                self._watcher_died()
+                continue
+            self.state.flush(pid=os.getpid())
+            line = self.status_line()
+            if line != last_status:
+                self.notifier.status(line)
+                last_status = line
+
+    def _watcher_died(self) -> None:
+        if self.watcher.root_replaced():
+            # runs/ was deleted (and maybe recreated): its watch went with it.
+            # Wait for it to exist, then take the lock and watch it anew.
+            self.emit("watch.root_missing", level="warning", runs_dir=str(self.runs))
+            self.watcher.stop()
+            while not self.runs.is_dir() and not self.stop_event.wait(LOOP_TICK_S):
+                pass
+            if self.stop_event.is_set():
+                return
+            self._run_lock.release()
+            self._run_lock.acquire()
+            self.watcher.start()
+            self.emit("watch.restarted", runs_dir=str(self.runs), observer=self.watcher.kind)
+            self._schedule_scan()
+            return
+        self.emit("watch.died", level="error", thread="observer")
+        self.exit_code = ExitCode.WATCHER_DIED
+        self.stop_event.set()
+
+    def run_once(self) -> None:
+        """After the first scan: wait for every job (and optimizer) it started."""
+        while True:
+            with self._lock:
+                futures = list(self._active.values())
+            if not futures:
+                break
+            for future in futures:
+                future.result()
+        for future in list(self._optimizer_futures):
+            future.result()
+
+    def shutdown(self, reason: str) -> None:
+        """Stop intake, drain running jobs up to the bound, abandon the rest."""
+        with self._lock:
+            running = sum(1 for f in self._active.values() if f.running())
+            queued = len(self._active) - running
+        self.emit("daemon.stopping", reason=reason, running=running, queued=queued)
+        self.notifier.stopping()
+        # 1. intake: no new events, no new evaluations or scans; jobs waiting
+        #    to retry give up now (they are found again at the next start)
+        self.stop_event.set()
+        self.abort_event.set()
+        self.watcher.stop()
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown(wait=False)
+        # 2. jobs not started yet are cancelled; they are found again at next start
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        # 3. running jobs may finish (their writes are atomic) up to the bound
+        deadline = time.monotonic() + self.cfg.daemon.shutdown_timeout_s
+        with self._lock:
+            futures = list(self._active.values())
+        for future in futures:
+            with contextlib.suppress(Exception):
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+        # 4. what is still running (inside an LLM call) is abandoned: it dies
+        #    with the process, and its writes are atomic, so nothing is partial
+        abandoned = sum(1 for f in futures if not f.done())
+        self.state.flush(force=True, pid=None)
+        counts = self.state.counts()
+        self.emit("daemon.stopped", exit_code=int(self.exit_code), done=counts.get("done", 0),
+                  failed=counts.get("failed", 0), abandoned=abandoned)
+        self._run_lock.release()
+        self.abandoned = abandoned
+
+
+def main(config_path: Path | None, once: bool = False) -> int:
+    cfg = config.load(config_path)
+    log.configure(log_file=cfg.log.file, level=cfg.log.level)
+    daemon = Daemon(cfg, once=once)
+    _install_signal_handlers(daemon)
+    try:
+        daemon.start()
+    except SkilltrainError as e:
+        daemon.emit("daemon.failed", level="error", reason=str(e), exit_code=int(e.exit_code))
+        daemon.stop_event.set()
+        with contextlib.suppress(Exception):
+            daemon.scheduler.shutdown(wait=False)
+        daemon.watcher.stop()
+        raise
+    if once:
+        daemon.run_once()
+        daemon.shutdown("once: idle")
+    else:
+        daemon.run_forever()
+        daemon.shutdown("signal" if daemon.exit_code == ExitCode.OK else "watcher died")
+    code = int(daemon.exit_code)
+    if daemon.abandoned:
+        # Abandoned jobs sit in an LLM call we cannot interrupt; their writes
+        # are atomic, so ending the process now leaves no partial file.
+        logging_flush()
+        os._exit(code)
+    return code
+
+
+def _install_signal_handlers(daemon: Daemon) -> None:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if daemon.stop_event.is_set() and signum == signal.SIGINT:
+            logging_flush()
+            os._exit(130)  # second Ctrl-C: the user means it
+        daemon.stop_event.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def logging_flush() -> None:
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    sys.stderr.flush()
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        entries = os.scandir(path)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    with entries:
+        return sorted(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
+
+
+def _at(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def _iso(ts: float) -> str:
+    return _at(ts).isoformat(timespec="seconds")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("skilltrain")
+    except PackageNotFoundError:
+        return "unknown"

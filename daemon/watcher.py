@@ -1,0 +1,178 @@
+"""Filesystem events as hints: watchdog's observer on runs/.
+
+Events only say "look here soon"; the scan decides. PITFALLS: past
+fs.inotify.max_user_watches a recursive watch silently drops events in the
+folders it could not watch, and a handler exception kills the dispatch
+thread. So the handler never raises, the daemon checks the observer's
+threads, and in "auto" mode the kernel's own count of our inotify watches
+(/proc/self/fdinfo) is compared with the folders under runs/: when watches
+are missing the watcher falls back to polling.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from watchdog.events import (
+    DirMovedEvent,
+    FileClosedNoWriteEvent,
+    FileMovedEvent,
+    FileOpenedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+from watchdog.observers.polling import PollingObserver
+
+SYSCTL = "fs.inotify.max_user_watches"
+IGNORED_EVENTS = (FileOpenedEvent, FileClosedNoWriteEvent)
+
+Hint = Callable[[Path], None]
+Report = Callable[..., None]  # report(event_name, **fields)
+
+
+class _HintHandler(FileSystemEventHandler):
+    def __init__(self, hint: Hint, report: Report) -> None:
+        self._hint = hint
+        self._report = report
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if isinstance(event, IGNORED_EVENTS):
+            return
+        try:
+            self._hint(Path(os.fsdecode(event.src_path)))
+            # rsync and editors write a temp file and rename it: the final
+            # name arrives only as dest_path of a moved event.
+            if isinstance(event, FileMovedEvent | DirMovedEvent) and event.dest_path:
+                self._hint(Path(os.fsdecode(event.dest_path)))
+        except Exception as e:  # an exception here would kill watchdog's dispatch thread
+            self._report("watch.handler_error", error=type(e).__name__)
+
+
+class Watcher:
+    """Owns the observer; can swap native for polling while running."""
+
+    def __init__(self, runs: Path, mode: str, hint: Hint, report: Report,
+                 polling_interval_s: float = 1.0) -> None:
+        self.runs = runs
+        self.mode = mode
+        self.kind = ""  # "native" or "polling" once started
+        self._handler = _HintHandler(hint, report)
+        self._report = report
+        self._polling_interval_s = polling_interval_s
+        self._observer: BaseObserver | None = None
+        self._deficits = 0
+        self._swap = threading.RLock()  # alive() must not see the gap of a swap
+        self.root_ino: int | None = None
+
+    def start(self) -> None:
+        self.runs.mkdir(parents=True, exist_ok=True)
+        self.root_ino = self.runs.stat().st_ino
+        with self._swap:
+            self._start_observer()
+
+    def root_replaced(self) -> bool:
+        """runs/ itself was deleted (and maybe recreated): its watch is gone."""
+        try:
+            return self.runs.stat().st_ino != self.root_ino
+        except FileNotFoundError:
+            return True
+
+    def _start_observer(self) -> None:
+        if self.mode == "polling":
+            self._start(polling=True)
+            return
+        try:
+            self._start(polling=False)
+        except OSError as e:
+            if self.mode == "native" or e.errno not in (errno.ENOSPC, errno.EMFILE):
+                raise
+            self._fallback(f"inotify: {e.strerror}")
+
+    def _start(self, *, polling: bool) -> None:
+        observer: BaseObserver = (PollingObserver(timeout=self._polling_interval_s)
+                                  if polling else Observer())
+        observer.schedule(self._handler, str(self.runs), recursive=True)
+        observer.daemon = True
+        observer.start()
+        self._observer = observer
+        self.kind = "polling" if polling else "native"
+
+    def _fallback(self, reason: str) -> None:
+        with self._swap:
+            self._stop_observer()
+            self._report("watch.fallback", reason=reason, sysctl=SYSCTL, observer="polling",
+                         hint=f"raise {SYSCTL} (sysctl -w {SYSCTL}=524288) to use inotify")
+            self._start(polling=True)
+
+    def check_coverage(self) -> None:
+        """In auto mode, fall back to polling when inotify watches ran out.
+
+        Two checks in a row must find folders missing a watch: a folder
+        created a moment ago may simply not be watched yet.
+        """
+        if self.mode != "auto" or self.kind != "native":
+            return
+        watches = inotify_watch_count()
+        if watches is None:
+            return
+        folders = count_folders(self.runs)
+        self._deficits = self._deficits + 1 if watches < folders else 0
+        if self._deficits >= 2:
+            self._fallback(f"inotify watches exhausted: {watches} watches "
+                           f"for {folders} folders under {self.runs}")
+
+    def alive(self) -> bool:
+        """The observer and each of its emitter threads are running."""
+        with self._swap:
+            observer = self._observer
+            if observer is None or not observer.is_alive():
+                return False
+            return all(emitter.is_alive() for emitter in observer.emitters)
+
+    def stop(self) -> None:
+        with self._swap:
+            self._stop_observer()
+
+    def _stop_observer(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            if observer.is_alive():
+                observer.join(timeout=5)
+
+    @property
+    def observer(self) -> Any:
+        return self._observer
+
+
+def inotify_watch_count() -> int | None:
+    """How many inotify watches this process holds, from /proc (None: unknown)."""
+    total, found = 0, False
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:inotify":
+                continue
+            with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+                total += sum(1 for line in f if line.startswith("inotify wd:"))
+            found = True
+        except OSError:
+            continue
+    return total if found else None
+
+
+def count_folders(root: Path) -> int:
+    """Folders a recursive watch needs: root and every real (non-symlink) folder below."""
+    count = 1
+    for dirpath, dirnames, _ in os.walk(root):
+        count += sum(1 for d in dirnames if not os.path.islink(os.path.join(dirpath, d)))
+    return count

@@ -1,0 +1,76 @@
+"""The optimizer trigger: run the user's command once per fully reported step.
+
+No shell: the command is an argv list from config.toml, and the values put
+into its placeholders (run names, folders) are single arguments however
+many spaces, quotes or semicolons they hold. Its output is relayed to the
+log line by line, so `journalctl -f` shows what the optimizer says.
+"""
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from skilltrain.errors import ConfigError
+
+PLACEHOLDERS = ("run", "epoch", "step", "reports_dir", "run_dir")
+Emit = Callable[..., None]  # emit(event_name, **fields)
+
+
+@dataclass(frozen=True)
+class OptimizerResult:
+    exit_code: int | None  # None: timed out and killed, or could not start
+    duration_ms: int
+    reason: str | None = None
+
+
+def render_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """Fill the placeholders; an unknown one is a config error, found at start-up."""
+    try:
+        return [part.format_map(values) for part in command]
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"[optimizer] command = {list(command)!r}: bad placeholder {e}; "
+                          f"allowed: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+
+
+def check_command(command: Sequence[str]) -> None:
+    render_argv(command, {name: name for name in PLACEHOLDERS})
+
+
+def run(argv: Sequence[str], *, timeout_s: float, emit: Emit,
+        cwd: str | None = None) -> OptimizerResult:
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=cwd, text=True, errors="replace",
+                                start_new_session=True)
+    except OSError as e:
+        return OptimizerResult(None, _ms(t0), f"cannot start {argv[0]!r}: {e.strerror}")
+    assert proc.stdout is not None and proc.stderr is not None
+    relays = [threading.Thread(target=_relay, args=(stream, name, emit), daemon=True)
+              for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    for relay in relays:
+        relay.start()
+    try:
+        code: int | None = proc.wait(timeout=timeout_s)
+        reason = None if code == 0 else f"exit code {code}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code, reason = None, f"timed out after {timeout_s:g}s and was killed"
+    for relay in relays:
+        relay.join(timeout=5)
+    return OptimizerResult(code, _ms(t0), reason)
+
+
+def _relay(stream: IO[str], name: str, emit: Emit) -> None:
+    with stream:
+        for line in stream:
+            emit("optimizer.output", stream=name, line=line.rstrip("\n"))
+
+
+def _ms(t0: float) -> int:
+    return int((time.monotonic() - t0) * 1000)
