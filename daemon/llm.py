@@ -27,6 +27,7 @@ from skilltrain.config import BUILTIN_MODEL, LLMConfig
 from skilltrain.errors import LLMError
 
 Message = dict[str, Any]
+BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"
 RetryHook = Callable[[int, float, BaseException], None]
 
 _import_lock = threading.Lock()
@@ -142,6 +143,11 @@ def complete(messages: Sequence[Message], settings: LLMConfig, *,
 
 def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
     lm = litellm()
+    if settings.model.startswith(BUILTIN_PREFIX):
+        # Other code may have replaced litellm.custom_provider_map since.
+        from skilltrain import craft_metrics
+
+        craft_metrics.register()
     kwargs: dict[str, Any] = {
         "model": settings.model,
         "messages": list(messages),

@@ -1,0 +1,61 @@
+"""Session-wide safety for the LLM and the loopback server fixtures.
+
+The environment is fixed here, at import, because pytest imports conftest
+before any test module, so before anything can import litellm.
+"""
+
+from __future__ import annotations
+
+import os
+
+# litellm fetches its model cost map from the internet at import; this keeps it offline.
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+
+# No test may reach a real provider: drop real keys and base-URL redirections.
+for _name in (
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+    "OPENAI_API_BASE",
+    "OPENAI_ORGANIZATION",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "AZURE_API_KEY",
+    "AZURE_OPENAI_API_KEY",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+    "MISTRAL_API_KEY",
+    "GROQ_API_KEY",
+    "OPENROUTER_API_KEY",
+    "LITELLM_API_KEY",
+):
+    os.environ.pop(_name, None)
+
+# litellm's "openai/" provider builds an OpenAI SDK client, which refuses to
+# start without an API key even when api_base is the loopback server. A dummy
+# key satisfies it; it is worthless anywhere else, and the loopback server
+# records it in the Authorization header, so tests can check it was sent.
+os.environ["OPENAI_API_KEY"] = "sk-test-loopback"
+
+from collections.abc import Iterator  # noqa: E402 - the environment must be set first
+
+import pytest  # noqa: E402
+
+from tests.llm_server import LLMServer  # noqa: E402
+
+LOOPBACK_MODEL = "openai/loopback-model"
+
+
+@pytest.fixture
+def llm_server() -> Iterator[LLMServer]:
+    """A started loopback OpenAI-compatible server on a free port, stopped after the test."""
+    server = LLMServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def llm_model() -> str:
+    """The litellm model id to use with `llm_server` (pass api_base=llm_server.url)."""
+    return LOOPBACK_MODEL
