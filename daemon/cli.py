@@ -6,6 +6,7 @@ Every command module is imported when its command runs, so `--help`,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,9 +102,7 @@ def _audit(args: argparse.Namespace) -> int:
     from skilltrain import audit, config, dataset
 
     cfg = config.load(args.config)
-    works = {name: {n: text for n in work.human_episodes()
-                    for text in [dataset.read_episode(work.human_dir / dataset.episode_name(n),
-                                                      label="human episode")]}
+    works = {name: work.read_all_human()
              for name, work in dataset.discover_works(cfg.paths.data).items()}
     return audit.run(cfg.paths.runs, works, as_json=args.json)
 
@@ -129,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        # `skilltrain status | head`: the reader left; not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     sys.exit(int(code))
 
 

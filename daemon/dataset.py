@@ -133,6 +133,16 @@ class Work:
     def read_human(self, first: int, last: int, max_bytes: int | None = None) -> dict[int, str]:
         return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes)
 
+    def read_all_human(self) -> dict[int, str]:
+        """Every readable human episode (for the leak audit); unreadable ones are skipped."""
+        episodes = {}
+        for n in self.human_episodes():
+            try:
+                episodes[n] = read_episode(self.human_dir / episode_name(n), label="human episode")
+            except RefusedError:
+                continue
+        return episodes
+
 
 def chunk(numbers: Iterable[int], size: int) -> Iterable[tuple[int, int]]:
     ordered = sorted(numbers)

@@ -71,7 +71,8 @@ class Daemon:
         self.runs = cfg.paths.runs
         self.once = once
         self.log = log.get_logger("skilltrain.daemon")
-        self.notifier = notifier or notify.Notifier.from_env()
+        self._notify_warned = False
+        self.notifier = notifier or notify.Notifier.from_env(on_error=self._notify_failed)
         self.complete = complete
         self.clock = clock
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
@@ -103,6 +104,11 @@ class Daemon:
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         getattr(self.log, level)(event, **fields)
+
+    def _notify_failed(self, field: str, error: BaseException) -> None:
+        if not self._notify_warned:
+            self._notify_warned = True  # once: a vanished socket would fail every tick
+            self.emit("notify.failed", level="warning", field=field, error=str(error))
 
     # --------------------------------------------------------------- start-up
     def start(self) -> None:

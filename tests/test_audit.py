@@ -1,0 +1,228 @@
+"""audit: every file under runs/ is scanned for answer-key passages."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from skilltrain import audit, leakguard
+from skilltrain.audit import Hit, audit_tree
+
+HUMAN_EP3 = """\
+INT. LIGHTHOUSE - LAMP ROOM - NIGHT
+
+The lens turns. ADA (70s) polishes brass that does not need it.
+
+ADA
+Your grandfather kept this light burning through the storm of fifty-two.
+
+TOMAS
+And he kept the logbook lying about the shipwreck, didn’t he?
+
+ADA
+(quietly)
+Some lies hold a house together better than nails.
+"""
+WORKS = {"lighthouse": {3: HUMAN_EP3}}
+LINE = "Your grandfather kept this light burning through the storm of fifty-two."
+CURLY = "And he kept the logbook lying about the shipwreck, didn’t he?"
+
+# The model's script of the same scene: shares names, headings and stock words.
+MODEL_EP3 = """\
+INT. LIGHTHOUSE - LAMP ROOM - NIGHT
+
+ADA
+I don't know what you're talking about. The light has always burned.
+
+TOMAS
+(beat)
+Grandfather lied in the logbook. I read it.
+"""
+
+
+@pytest.fixture()
+def index() -> leakguard.HumanIndex:
+    return leakguard.HumanIndex.build("lighthouse", WORKS["lighthouse"])
+
+
+def _clean_tree(root: Path) -> Path:
+    step = root / "run1" / "epoch_00" / "step_00" / "lighthouse" / "scripts"
+    step.mkdir(parents=True)
+    (step / "ep03.txt").write_text(MODEL_EP3, encoding="utf-8")
+    loss = root / "run1" / "loss" / "epoch_00" / "step_00"
+    loss.mkdir(parents=True)
+    (loss / "lighthouse_ep03-03.md").write_text(
+        "# Loss\n\nThe model's Ada explains where the original implies. "
+        "INT. LIGHTHOUSE - LAMP ROOM - NIGHT opens both. ADA and TOMAS argue; "
+        "\"I don't know what you're talking about\" is stock.\n",
+        encoding="utf-8",
+    )
+    (loss / "lighthouse_ep03-03.json").write_text(
+        json.dumps({"work": "lighthouse", "range": "03-03", "leaks_redacted": 1}),
+        encoding="utf-8",
+    )
+    (root / "daemon.log.jsonl").write_text(
+        "\n".join(json.dumps({"event": "loss.completed", "i": i}) for i in range(50)) + "\n",
+        encoding="utf-8",
+    )
+    return root
+
+
+def test_clean_tree_passes(
+    tmp_path: Path, index: leakguard.HumanIndex, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    assert audit_tree(root, [index]) == []
+    assert audit.run(root, WORKS, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "no answer-key passages" in out and "4 files" in out
+
+
+def test_leak_in_jsonl_and_nested_file(
+    tmp_path: Path, index: leakguard.HumanIndex, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    # JSON escapes: \n between cue and line, \u2019 for the curly apostrophe
+    # (json.dumps' default ensure_ascii), \" around the quote.
+    event = {"event": "loss.failed", "prompt_tail": f'TOMAS\n"{CURLY}"\nADA'}
+    log = root / "daemon.log.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines()
+    lines.insert(7, json.dumps(event))
+    log.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert "\\u2019" in lines[7] and "\\n" in lines[7]
+    deep = root / "run1" / "optimizer" / "epoch_00" / "step_00" / "notes"
+    deep.mkdir(parents=True)
+    (deep / "skill.md").write_text(f"# Skill\n\n- keep it short\n- write lines like:\n  {LINE}\n")
+
+    hits = audit_tree(root, [index])
+    assert [(h.file.relative_to(root).as_posix(), h.line, h.work, h.episode) for h in hits] == [
+        ("daemon.log.jsonl", 8, "lighthouse", 3),
+        ("run1/optimizer/epoch_00/step_00/notes/skill.md", 5, "lighthouse", 3),
+    ]
+    # The cue names around the quoted line in the log are the human's too.
+    assert hits[0].n_words == 13 and hits[1].n_words == 12
+    for hit in hits:
+        assert len(hit.excerpt.replace(" …", "").split()) <= audit.EXCERPT_WORDS
+    assert hits[0].excerpt == 'TOMAS "And he kept the logbook lying about …'
+
+    assert audit.run(root, WORKS, as_json=False) == 1
+    out = capsys.readouterr().out
+    assert "daemon.log.jsonl:8: lighthouse ep03, 13 words" in out
+    assert "skill.md:5:" in out
+    assert "2 answer-key passage(s) in 2 file(s)" in out
+
+
+def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    (root / "state.json").write_text(json.dumps({"last_report": f"x {LINE} y"}), "utf-8")
+    assert audit.run(root, WORKS, as_json=True) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["clean"] is False
+    assert doc["files_scanned"] == 5
+    assert doc["errors"] == []
+    (hit,) = doc["hits"]
+    assert Path(hit["file"]).name == "state.json"
+    assert {k: hit[k] for k in ("line", "work", "episode", "n_words")} == {
+        "line": 1,
+        "work": "lighthouse",
+        "episode": 3,
+        "n_words": 12,
+    }
+
+
+def test_symlinks_are_not_followed(tmp_path: Path, index: leakguard.HumanIndex) -> None:
+    outside = tmp_path / "data"
+    outside.mkdir()
+    human = outside / "ep03.txt"
+    human.write_text(HUMAN_EP3, encoding="utf-8")
+    root = _clean_tree(tmp_path / "runs")
+    (root / "link_to_human.txt").symlink_to(human)
+    (root / "link_to_data").symlink_to(outside, target_is_directory=True)
+    (root / "dangling").symlink_to(tmp_path / "nowhere")
+    assert audit_tree(root, [index]) == []
+    # The same file copied in (not linked) is found: the scan would see it.
+    (root / "copy.txt").write_bytes(human.read_bytes())
+    (hit,) = audit_tree(root, [index])
+    assert (hit.file.name, hit.line, hit.n_words) == ("copy.txt", 1, index.n_words)
+
+
+def test_fifo_is_skipped(tmp_path: Path, index: leakguard.HumanIndex) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    os.mkfifo(root / "pipe")  # reading it would block the audit forever
+    assert audit_tree(root, [index]) == []
+
+
+def test_binary_and_gzip_files(tmp_path: Path, index: leakguard.HumanIndex) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    blob = b"\x00\xff\xfe" * 100 + b"\n" + LINE.encode() + b"\n\x80\x81"
+    (root / "archive.bin").write_bytes(blob)
+    with gzip.open(root / "daemon.log.1.gz", "wt", encoding="utf-8") as f:
+        f.write("x\n" * 9 + json.dumps({"msg": LINE}) + "\n")
+    found = {(h.file.name, h.line) for h in audit_tree(root, [index])}
+    assert found == {("archive.bin", 2), ("daemon.log.1.gz", 10)}
+
+
+def test_passage_across_chunk_boundary(tmp_path: Path, index: leakguard.HumanIndex) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    filler = ("ok\n" * (audit.CHUNK_CHARS // 3))[: audit.CHUNK_CHARS - 40]
+    head = filler[: filler.rfind("\n") + 1]
+    text = head + LINE + "\nmore\n"
+    assert len(head) < audit.CHUNK_CHARS < len(head) + len(LINE)
+    (root / "big.log").write_text(text, encoding="utf-8")
+    (hit,) = audit_tree(root, [index])
+    assert hit.line == head.count("\n") + 1
+    assert hit.n_words == 12
+
+
+def test_large_log_is_fast_enough(tmp_path: Path, index: leakguard.HumanIndex) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    line = json.dumps({"event": "loss.completed", "work": "lighthouse", "msg": "tokens in out"})
+    (root / "big.jsonl").write_text((line + "\n") * 80_000 + json.dumps({"m": LINE}) + "\n")
+    result = audit.scan(root, [index])
+    assert result.chars > 5_000_000
+    assert [h.line for h in result.hits] == [80_001]
+
+
+def test_unescape_keeps_lines() -> None:
+    text = 'a\\nb\\"c\\u2019d\\\\n\\x41\nnext \\\\\\"q\\\\\\"'
+    out = audit.unescape(text)
+    assert out.count("\n") == text.count("\n") == 1
+    assert out == 'a b"c\u2019d A\nnext "q"'
+
+
+def test_no_works_or_no_runs_is_not_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    assert audit.run(root, {}, as_json=False) == 1
+    assert audit.run(tmp_path / "missing", WORKS, as_json=False) == 1
+    err = capsys.readouterr().err
+    assert "no human episodes" in err and "not a directory" in err
+
+
+def test_format_hits() -> None:
+    hit = Hit(Path("/r/a/b.md"), 4, "w", 2, 9, "one two")
+    assert audit.format_hits([hit], Path("/r")) == 'a/b.md:4: w ep02, 9 words: "one two"'
+    assert hit.to_json()["file"] == "/r/a/b.md"
+
+
+def test_damaged_gzip_is_reported_not_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _clean_tree(tmp_path / "runs")
+    good = gzip.compress(("x\n" * 1000).encode())
+    (root / "daemon.log.2.gz").write_bytes(good[: len(good) // 2])  # truncated
+    (root / "daemon.log.3.gz").write_bytes(b"\x1f\x8b" + b"\x00" * 64)  # not gzip
+    result = audit.scan(root, [])
+    assert [e.split(":")[0].rsplit("/", 1)[-1] for e in result.errors] == [
+        "daemon.log.2.gz",
+        "daemon.log.3.gz",
+    ]
+    assert audit.run(root, WORKS, as_json=False) == 1
+    assert "unreadable" in capsys.readouterr().err

@@ -1,0 +1,349 @@
+"""leakguard: verbatim answer-key passages are found, mapped back and redacted."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from skilltrain import leakguard
+from skilltrain.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
+
+# A human screenplay written for these tests (two episodes).
+HUMAN_EP1 = """\
+FADE IN:
+
+EXT. HOLLIS FARM - GATE - DAWN
+
+Fog on the fields. The gate swings in the wind, unlatched.
+
+INT. FARMHOUSE KITCHEN - CONTINUOUS
+
+MARTHA (60s, flour to the elbows) scrubs a pot that is already clean.
+
+MARTHA
+You left the gate open again, Walter. The goats are halfway to Hollis.
+
+WALTER (O.S.)
+I don't know what you're talking about.
+
+MARTHA
+(beat)
+The money in the biscuit tin was never yours to spend.
+
+Walter appears in the doorway, boots in hand, caught.
+
+WALTER
+I was going to put every penny back before the auction.
+
+MARTHA
+What are you doing here?
+
+WALTER
+I live here.
+
+CUT TO:
+
+INT. FARMHOUSE KITCHEN - NIGHT
+
+MARTHA
+Where's the truck?
+
+WALTER
+Sold.
+
+MARTHA
+To who?
+
+WALTER
+Hollis.
+"""
+
+HUMAN_EP2 = """\
+EXT. AUCTION YARD - DAY
+
+Rain. A tractor with a handwritten price on the windshield.
+
+AUCTIONEER
+Lot forty-two, one Ferguson tractor, runs when it feels like it.
+
+MARTHA
+(to Walter, not looking at him)
+Your father sold this same tractor to my father for a handshake and a pie.
+
+WALTER
+Then let's buy it back with the pie.
+"""
+
+HUMAN = {1: HUMAN_EP1, 2: HUMAN_EP2}
+
+# The closed-book model's version of the same scenes: same story, own words,
+# some shared stock phrases.
+MODEL_EP1 = """\
+INT. FARMHOUSE KITCHEN - NIGHT
+
+MARTHA
+What are you doing here? I don't know what you're talking about, she says.
+
+WALTER
+I took the money from the tin. I meant to return it before the sale.
+
+MARTHA
+The goats are out again and you took our savings, Walter.
+"""
+
+STOCK_PHRASES = [
+    "INT. KITCHEN - NIGHT",
+    "CUT TO:",
+    "I don't know",
+    "What are you doing here?",
+    "(beat)",
+    "CONTINUOUS",
+    "FADE IN:",
+    "I don't know what you're talking about.",
+    "I don't want to talk about it.",
+    "What the hell are you doing here?",
+    "We need to talk.",
+    "Are you okay?",
+    "I'll be right back.",
+    "Get out of here!",
+    "INT. FARMHOUSE KITCHEN - CONTINUOUS",
+    "WALTER (O.S.)",
+    "I live here.",
+]
+
+HUMAN_STOCK = (
+    "INT. KITCHEN - NIGHT\n\nMARTHA\nI don't want to talk about it.\n\nWALTER\n"
+    "What the hell are you doing here?\n\nMARTHA\nWe need to talk.\n\nWALTER\n"
+    "Are you okay?\n\nMARTHA\nI'll be right back.\n\nWALTER\nGet out of here!\n\n"
+    "MARTHA\nI don't know what you're talking about.\n\nCUT TO:\n\n"
+    "INT. FARMHOUSE KITCHEN - CONTINUOUS\n\nWALTER (O.S.)\nI live here.\n"
+)
+
+
+@pytest.fixture(scope="module")
+def index() -> HumanIndex:
+    return HumanIndex.build("hollis", HUMAN)
+
+
+def _span(text: str, leak: leakguard.Leak) -> str:
+    return text[leak.start : leak.end]
+
+
+def test_quoted_lines_found_and_redacted(index: HumanIndex) -> None:
+    quotes = [
+        "You left the gate open again, Walter. The goats are halfway to Hollis.",
+        "The money in the biscuit tin was never yours to spend.",
+        "Your father sold this same tractor to my father for a handshake and a pie.",
+    ]
+    # The fourth line with its case and punctuation changed.
+    altered = "i WAS going to put every penny back -- before the auction!!"
+    prose = [
+        "The model's Martha never raises her voice.",
+        "Where the original has her say",
+        "the model settles for a shrug.",
+        "Later, Walter pleads:",
+        "and at the auction Martha remembers:",
+        "Finally the confession changes:",
+        "which lands harder than anything in the model.",
+    ]
+    report = (
+        f"{prose[0]} {prose[1]} \u201c{quotes[0]}\u201d, {prose[2]}\n\n"
+        f'{prose[3]} "{quotes[1]}"\n\n'
+        f"{prose[4]} '{quotes[2]}'\n\n"
+        f"{prose[5]} {altered} {prose[6]}\n"
+    )
+    leaks = find_leaks(report, index)
+    assert len(leaks) == 4
+    # A span runs from the first to the last word: the closing period stays.
+    assert [_span(report, k) for k in leaks[:3]] == [q.rstrip(".") for q in quotes]
+    assert _span(report, leaks[3]) == "i WAS going to put every penny back -- before the auction"
+    assert [k.episode for k in leaks] == [1, 1, 2, 1]
+    assert [k.line for k in leaks] == [1, 3, 5, 7]
+    assert leaks[0].n_words == 13
+    redacted = redact(report, leaks)
+    assert redacted.count(REDACTION_MARKER) == 4
+    for sentence in prose:
+        assert sentence in redacted
+    for quote in quotes:
+        assert quote.rstrip(".") not in redacted
+    assert "penny" not in redacted
+    assert find_leaks(redacted, index) == []
+    assert leakguard.leaked_words(leaks) == sum(k.n_words for k in leaks)
+
+
+def test_quotes_of_the_model_are_allowed(index: HumanIndex) -> None:
+    report = (
+        "The model writes: \u201cWhat are you doing here? I don't know what you're talking "
+        "about, she says.\u201d and \u201cI took the money from the tin. I meant to return "
+        "it before the sale.\u201d The goats are out again and you took our savings, Walter.\n"
+    )
+    assert find_leaks(report, index, allow_text=MODEL_EP1) == []
+    # The model text shares stock phrases with the human one; a model line that
+    # happens to equal a human line is the model's too.
+    shared = "Walter: You left the gate open again, Walter. The goats are halfway to Hollis."
+    leaking = f"{report}\n{shared}\n"
+    assert len(find_leaks(leaking, index)) == 1
+    model_with_line = MODEL_EP1 + "\nYou left the gate open again, Walter. The goats are halfway"
+    leaks = find_leaks(leaking, index, allow_text=model_with_line)
+    # What the model did not write ("to Hollis") is human text the report
+    # reproduces; the words the model wrote before it stay.
+    assert [_span(leaking, k) for k in leaks] == ["again, Walter. The goats are halfway to Hollis"]
+    assert redact(report, find_leaks(report, index, allow_text=MODEL_EP1)) == report
+
+
+def test_allow_text_does_not_hide_human_only_lines(index: HumanIndex) -> None:
+    report = "Compare: I was going to put every penny back before the auction. Weak."
+    assert len(find_leaks(report, index, allow_text=MODEL_EP1)) == 1
+
+
+def test_stock_phrases_are_not_leaks() -> None:
+    index = HumanIndex.build("stock", {1: HUMAN_STOCK, 2: HUMAN_EP1})
+    report = "\n".join(
+        f"Both versions use the line {phrase!r}, which is fine." for phrase in STOCK_PHRASES
+    )
+    report += "\n" + " ".join(STOCK_PHRASES) + "\n" + "\n".join(STOCK_PHRASES)
+    assert find_leaks(report, index) == []
+    # The long ones are in the index (matched), just not distinctive enough to
+    # start a leak; without the content-word rule they would be flagged.
+    long = [p for p in STOCK_PHRASES if len(leakguard.tokens(p)) >= index.n]
+    assert len(long) == 3
+    for phrase in long:
+        assert set(leakguard.shingle_hashes(leakguard.tokens(phrase), index.n)) <= set(
+            index.episode_of
+        )
+    unfiltered = HumanIndex.build("stock", {1: HUMAN_STOCK, 2: HUMAN_EP1}, min_content=0)
+    assert find_leaks(report, unfiltered) != []
+    # The same report with one distinctive line is flagged: the index works.
+    flagged = f"{report}\nAnd: the money in the biscuit tin was never yours to spend.\n"
+    leaks = find_leaks(flagged, index)
+    assert [_span(flagged, k) for k in leaks] == [
+        "the money in the biscuit tin was never yours to spend"
+    ]
+
+
+def test_screenplay_furniture_alone_is_not_a_leak(index: HumanIndex) -> None:
+    report = (
+        "The original opens FADE IN: EXT. HOLLIS FARM - GATE - DAWN and cuts "
+        "INT. FARMHOUSE KITCHEN - CONTINUOUS then MARTHA (beat) WALTER (O.S.) CUT TO: "
+        "INT. FARMHOUSE KITCHEN - NIGHT MARTHA WALTER."
+    )
+    assert find_leaks(report, index) == []
+
+
+def test_quoted_exchange_across_cues_is_a_leak(index: HumanIndex) -> None:
+    report = "Their best exchange: 'Where’s the truck?' 'Sold.' 'To who?' 'Hollis.' (ep 1)."
+    leaks = find_leaks(report, index)
+    assert len(leaks) == 1
+    assert _span(report, leaks[0]) == "Where’s the truck?' 'Sold.' 'To who?' 'Hollis"
+    # With the cue names, as a screenplay excerpt, it is one too.
+    excerpt = "MARTHA: Where's the truck?\nWALTER: Sold.\nMARTHA: To who?\nWALTER: Hollis.\n"
+    assert len(find_leaks(excerpt, index)) == 1
+
+
+def test_offsets_with_unicode_curly_quotes_and_line_breaks() -> None:
+    human = {4: "ÉLODIE\nC’est la vie, mon cœur — we’ll sell the café before the frost comes.\n"}
+    index = HumanIndex.build("paris", human)
+    # Emoji and accents before the span: offsets are in code points, not bytes.
+    # Decomposed accents, straight apostrophes and a line break inside the quote.
+    report = (
+        "# Report 🎬🎬\n\nNotes on Élodie — “naïve” staging.\n"
+        "She says: «C'est la vie, mon COEUR: we'll sell the\n"
+        "cafe\u0301 before the frost» — lovely.\n"
+    )
+    leaks = find_leaks(report, index)
+    assert len(leaks) == 1
+    leak = leaks[0]
+    assert _span(report, leak) == (
+        "C'est la vie, mon COEUR: we'll sell the\ncafe\u0301 before the frost"
+    )
+    assert leak.line == 4
+    assert leak.episode == 4
+    assert leak.n_words == 12
+    assert redact(report, leaks) == (
+        "# Report 🎬🎬\n\nNotes on Élodie — “naïve” staging.\n"
+        f"She says: «{REDACTION_MARKER}» — lovely.\n"
+    )
+
+
+def test_redact_multiple_and_no_leaks() -> None:
+    text = "0123456789abcdefghij"
+    leaks = [
+        leakguard.Leak(start=12, end=15, episode=1, n_words=7, line=1),
+        leakguard.Leak(start=2, end=5, episode=1, n_words=7, line=1),
+    ]
+    assert redact(text, leaks, marker="#") == "01#56789ab#fghij"
+    assert redact(text, []) == text
+
+
+def test_index_for_caches_by_content() -> None:
+    first = leakguard.index_for("cache-test", {1: HUMAN_EP1})
+    again = leakguard.index_for("cache-test", {1: str(HUMAN_EP1)})
+    assert again is first
+    changed = leakguard.index_for("cache-test", {1: HUMAN_EP1 + "\nMARTHA\nOne more line."})
+    assert changed is not first
+    renumbered = leakguard.index_for("cache-test", {2: HUMAN_EP1})
+    assert renumbered is not first
+    for i in range(leakguard._CACHE_SIZE):  # evicts the oldest
+        leakguard.index_for(f"filler-{i}", {1: f"line {i}"})
+    assert leakguard.index_for("cache-test", {1: HUMAN_EP1}) is not first
+
+
+def test_index_holds_no_human_text(index: HumanIndex) -> None:
+    shown = repr(index)
+    assert "goats" not in shown and "Walter" not in shown
+    assert all(isinstance(h, int) for h in index.seeds)
+    assert index.n == leakguard.SHINGLE_WORDS
+    assert index.n_words == len(leakguard.tokens(HUMAN_EP1)) + len(leakguard.tokens(HUMAN_EP2))
+
+
+def test_fast_tokens_match_tokens() -> None:
+    samples = [
+        HUMAN_EP1,
+        "Don’t — STOP! l'été, naïve café, O'Brien's 42nd_street, ß ﬁne",
+        "‘quoted’ rock 'n' roll, a''b, x ʼyʼ, 'tis “so”… ok",
+        '{"msg": "tab\\there", "x": [1, 2]}',
+    ]
+    for text in samples:
+        assert leakguard.fast_tokens(text) == leakguard.tokens(text)
+        toks, spans = leakguard._tokens_with_offsets(text)
+        assert toks == leakguard.tokens(text)
+        assert all(text[a:b].strip() for a, b in spans)
+    assert leakguard.tokens("Don’t STOP-now, café foo_bar a''b") == [
+        "dont", "stop", "now", "cafe", "foo", "bar", "ab",
+    ]  # fmt: skip
+
+
+def test_may_match_is_a_cheap_superset(index: HumanIndex) -> None:
+    line = leakguard.tokens("The money in the biscuit tin was never yours to spend.")
+    prose = leakguard.tokens("the event loss completed in 3 s for run 7 with 1200 tokens " * 50)
+    assert index.may_match(prose + line + prose)
+    assert not index.may_match(prose)
+    # Stock phrases are known words but no distinctive shingle.
+    assert not index.may_match(leakguard.tokens("I don't know what you're talking about."))
+
+
+def test_short_texts() -> None:
+    index = HumanIndex.build("tiny", {1: "Hello there."})
+    assert find_leaks("Hello there.", index) == []
+    assert find_leaks("", HumanIndex.build("x", {1: HUMAN_EP1})) == []
+    with pytest.raises(ValueError):
+        HumanIndex.build("bad", {1: HUMAN_EP1}, n=0)
+
+
+def test_check_is_fast(index: HumanIndex) -> None:
+    words = ("the model's pacing is slower and the scenes run long " * 1000).split()
+    report = " ".join(words) + " The money in the biscuit tin was never yours to spend."
+    assert len(words) == 10_000
+    best = min(_timed(lambda: find_leaks(report, index, allow_text=MODEL_EP1)) for _ in range(3))
+    # Milliseconds in practice (see bench/leakguard_bench.py); generous for a busy CI.
+    assert best < 0.25
+
+
+def _timed(fn: object) -> float:
+    assert callable(fn)
+    start = time.perf_counter()
+    leaks = fn()
+    elapsed = time.perf_counter() - start
+    assert len(leaks) == 1
+    return elapsed
