@@ -75,6 +75,7 @@ class LogConfig(_Section):
 
 class IntegrityConfig(_Section):
     on_leak: Literal["redact", "refuse"] = "redact"
+    audit_on_start: bool = True
 
 
 class DaemonConfig(_Section):

@@ -46,6 +46,9 @@ def litellm() -> ModuleType:
 
             module.suppress_debug_info = True  # no "Give Feedback" banner on stdout
             module.telemetry = False
+            from skilltrain import log
+
+            log.adopt_library_loggers()  # litellm's own stdout handlers: route through ours
             from skilltrain import craft_metrics
 
             craft_metrics.register()

@@ -142,6 +142,24 @@ class Daemon:
                                    replace_existing=True)
         self.notifier.ready()
         self.emit("daemon.ready", observer=self.watcher.kind or "none")
+        if self.cfg.integrity.audit_on_start and not self.once:
+            threading.Thread(target=self.audit, name="audit", daemon=True).start()
+
+    def audit(self) -> None:
+        """Full leak audit of runs/; hits are logged without their text."""
+        from skilltrain import audit, leakguard
+
+        t0 = time.monotonic()
+        indexes = [leakguard.index_for(name, episodes)
+                   for name, work in self.works.items()
+                   if (episodes := work.read_all_human())]
+        result = audit.scan(self.runs, indexes)
+        for hit in result.hits:
+            self.emit("audit.leak", level="warning", file=str(hit.file), line=hit.line,
+                      work=hit.work, episode=hit.episode, n_words=hit.n_words)
+        self.emit("audit.completed", level="warning" if result.hits else "info",
+                  files=result.files, leaks=len(result.hits), errors=len(result.errors),
+                  duration_ms=int((time.monotonic() - t0) * 1000))
 
     # ------------------------------------------------------------------- scan
     def scan(self) -> None:

@@ -150,6 +150,12 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"{completion.tokens_out:,} tokens out)")
 
     report, leaks = _guard(report, job, human, model, on_leak)
+    if leakguard.find_leaks(archive, leakguard.index_for(job.work.name, human),
+                            allow_text=model_block):
+        # The template puts answer-key text into the archive by some other
+        # route than human_scripts; writing it would break rule 1.
+        raise RefusedError(f"template {templates.path(TEMPLATE)} renders human screenplay "
+                           "text outside human_scripts; the prompt archive is not written")
     report_text = report + "\n"
     duration_ms = int((time.monotonic() - t0) * 1000)
     sidecar = {

@@ -1,0 +1,383 @@
+"""The structured log: structlog routed through stdlib logging, configured once.
+
+Every line is one JSON object (`timestamp` UTC ISO 8601, `level`, `event`, fields)
+in the log file and, when stderr is not a terminal, on stderr for journald. The
+log is the operator's interface and `skilltrain tail` parses it, so event names
+and fields are a stable API: see docs/events.md.
+
+Two things must never reach a line: API keys (scrubbed from every field, from
+exception text, and by value for the keys configured in the environment) and
+the human screenplay (tracebacks render without local variables, where a prompt
+would sit). Context bound with `bound_job` appears in every line logged inside
+it; worker threads do not inherit it, so run jobs through `run_in_context` or
+wrap them with `carry_context` when they are submitted.
+
+Cheap to import: structlog and the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import logging.handlers
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, ParamSpec, TextIO, TypeVar
+
+import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+__all__ = [
+    "LEVELS",
+    "adopt_library_loggers",
+    "bound_job",
+    "carry_context",
+    "configure",
+    "fmt_range",
+    "get_logger",
+    "run_in_context",
+    "scrub",
+    "scrub_secrets",
+    "shutdown",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+LEVELS: Mapping[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+# Chatty at INFO (one line per HTTP request, per job run, per inotify event).
+NOISY_LOGGERS = (
+    "LiteLLM",
+    "LiteLLM Router",
+    "LiteLLM Proxy",
+    "httpx",
+    "httpcore",
+    "openai",
+    "apscheduler",
+    "watchdog",
+)
+
+REDACTED = "[redacted]"
+
+# Field names whose value is a credential whatever it looks like. Anchored at the
+# end so `tokens_in` / `prompt_tokens` (counts, not credentials) stay visible.
+_SECRET_FIELD = re.compile(
+    r"(?:^|_)(?:api_?key|apikey|token|secret|password|passwd|authorization|auth"
+    r"|credentials?|private_key|access_key|secret_key|cookie)$"
+)
+
+# Strings that look like credentials wherever they appear (messages, exception text).
+_SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_\-]{10,}"), REDACTED),
+    (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]{8,}", re.I), r"\1 " + REDACTED),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
+    (re.compile(r"\bAIza[0-9A-Za-z_\-]{30,}"), REDACTED),
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{30,}"), REDACTED),
+    (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*"), REDACTED),
+    # key=..., "api_key": "...", x-api-key: ..., ?token=...: a long opaque value.
+    (
+        re.compile(
+            r"(?i)\b([\w-]*(?:key|token|secret|password|passwd))"
+            r"([\"']?\s*[=:]\s*[\"']?)([A-Za-z0-9+/_\-.~]{12,}={0,2})"
+        ),
+        r"\1\2" + REDACTED,
+    ),
+)
+
+# The configured keys, scrubbed by value: a provider's key may have no telltale shape.
+_SECRET_ENV_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD", "_ACCESS_KEY")
+_MIN_ENV_SECRET = 8  # shorter values ("1", "true") would shred ordinary text
+
+_MAX_EXC_VALUE = 1000
+
+# Keys first in every JSON line, so `cat` and `grep` read naturally.
+_KEY_ORDER = ("timestamp", "level", "event", "run", "epoch", "step", "work", "range", "job_id")
+
+_handlers: list[logging.Handler] = []
+_structlog_ready = False
+
+
+# --------------------------------------------------------------------------- scrubbing
+
+
+def _env_secrets() -> list[str]:
+    # Read on every call: a key set after configure() (tests, a late env file) is covered.
+    values = {
+        value
+        for name, value in os.environ.items()
+        if name.upper().endswith(_SECRET_ENV_SUFFIXES) and len(value) >= _MIN_ENV_SECRET
+    }
+    return sorted(values, key=len, reverse=True)
+
+
+def _scrub_str(text: str, env_secrets: list[str]) -> str:
+    for secret in env_secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _is_secret_field(name: str) -> bool:
+    return bool(_SECRET_FIELD.search(name.lower().replace("-", "_")))
+
+
+def _scrub_value(value: Any, env_secrets: list[str]) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return _scrub_str(value, env_secrets)
+    if isinstance(value, Mapping):
+        return {
+            key: (
+                REDACTED
+                if isinstance(key, str) and _is_secret_field(key) and value[key] is not None
+                else _scrub_value(value[key], env_secrets)
+            )
+            for key in value
+        }
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_scrub_value(item, env_secrets) for item in value]
+    # Paths, exceptions, arbitrary objects: their text is what a renderer would show.
+    return _scrub_str(str(value), env_secrets)
+
+
+def scrub(value: Any) -> Any:
+    """Return `value` with credentials replaced by "[redacted]" (recursively)."""
+    return _scrub_value(value, _env_secrets())
+
+
+def scrub_secrets(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    """Processor: scrub every field, including a rendered `exception`."""
+    # exc_info (True, a tuple or an exception) is rendered later, then scrubbed.
+    exc_info = event_dict.pop("exc_info", None)
+    scrubbed: EventDict = scrub(event_dict)
+    if exc_info is not None:
+        scrubbed["exc_info"] = exc_info
+    return scrubbed
+
+
+def _cap_exception_text(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    """Cap `exc_value`: a provider's error may echo a long span of the prompt back."""
+    for stack in event_dict.get("exception") or ():
+        if isinstance(stack, dict) and isinstance(stack.get("exc_value"), str):
+            value = stack["exc_value"]
+            if len(value) > _MAX_EXC_VALUE:
+                cut = len(value) - _MAX_EXC_VALUE
+                stack["exc_value"] = f"{value[:_MAX_EXC_VALUE]}... [{cut} chars cut]"
+    return event_dict
+
+
+def _order_keys(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    first = {key: event_dict.pop(key) for key in _KEY_ORDER if key in event_dict}
+    first.update(event_dict)
+    return first
+
+
+# ------------------------------------------------------------------------ configuration
+
+
+def _shared_processors() -> list[Processor]:
+    """Run for structlog and for foreign (stdlib) records alike."""
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+
+
+def _configure_structlog() -> None:
+    global _structlog_ready
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *_shared_processors(),
+            structlog.processors.StackInfoRenderer(),
+            # Also here, not only in our formatters: any other handler on the root
+            # logger (pytest's capture, a library's) sees this dict as record.msg.
+            scrub_secrets,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        # Not cached: a module-level logger used before configure() would keep
+        # structlog's defaults forever.
+        cache_logger_on_first_use=False,
+    )
+    _structlog_ready = True
+
+
+def _json_formatter() -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_shared_processors(),
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            # Locals off: a frame's locals would carry the prompt and the API key.
+            structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
+            scrub_secrets,
+            _cap_exception_text,  # after scrubbing: a cut must not split a key in two
+            _order_keys,
+            structlog.processors.JSONRenderer(ensure_ascii=False),
+        ],
+    )
+
+
+def _console_formatter() -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_shared_processors(),
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            # Render the traceback to text here (stdlib format: no locals) so the
+            # scrubber sees it before ConsoleRenderer prints it.
+            structlog.processors.format_exc_info,
+            scrub_secrets,
+            structlog.dev.ConsoleRenderer(colors=True),
+        ],
+    )
+
+
+def _wants_console(stderr: TextIO, stderr_format: str) -> bool:
+    if stderr_format == "auto":
+        isatty = getattr(stderr, "isatty", None)
+        return bool(isatty and isatty())
+    return stderr_format == "console"
+
+
+def configure(
+    *,
+    log_file: Path | None,
+    level: str = "info",
+    stderr: TextIO = sys.stderr,
+    stderr_format: Literal["auto", "json", "console"] = "auto",
+) -> None:
+    """Route every log line to `log_file` (JSON lines) and to `stderr`.
+
+    Safe to call again: the handlers of the previous call are closed and replaced.
+    JSON on stderr unless it is a terminal ("auto"); colours on a terminal.
+    """
+    if level.lower() not in LEVELS:
+        raise ValueError(f"log level {level!r}: allowed {', '.join(LEVELS)}")
+    if stderr_format not in ("auto", "json", "console"):
+        raise ValueError(f"stderr_format {stderr_format!r}: allowed auto, json, console")
+    numeric = LEVELS[level.lower()]
+    _configure_structlog()
+
+    shutdown()
+    root = logging.getLogger()
+    console = logging.StreamHandler(stderr)
+    console.setFormatter(
+        _console_formatter() if _wants_console(stderr, stderr_format) else _json_formatter()
+    )
+    _handlers.append(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        # WatchedFileHandler reopens the path when logrotate renames the file.
+        file_handler = logging.handlers.WatchedFileHandler(log_file, encoding="utf-8")
+        file_handler.setFormatter(_json_formatter())
+        _handlers.append(file_handler)
+    for handler in _handlers:
+        root.addHandler(handler)
+    root.setLevel(numeric)
+
+    noisy_level = logging.NOTSET if numeric <= logging.DEBUG else logging.WARNING
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(noisy_level)
+    adopt_library_loggers()
+
+
+def shutdown() -> None:
+    """Flush, detach and close the handlers configure() installed."""
+    root = logging.getLogger()
+    for handler in _handlers:
+        root.removeHandler(handler)
+        handler.close()
+    _handlers.clear()
+
+
+def adopt_library_loggers() -> None:
+    """Strip the handlers litellm installs on its own loggers at import.
+
+    litellm writes its records itself (some to stdout) and also lets them reach
+    the root logger, so every line would appear twice, once unscrubbed. Call this
+    right after the lazy `import litellm`; configure() calls it too.
+    """
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
+        lib_logger = logging.getLogger(name)
+        for handler in list(lib_logger.handlers):
+            lib_logger.removeHandler(handler)
+        lib_logger.propagate = True
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    """A structlog logger writing through the handlers configure() installed."""
+    if not _structlog_ready:
+        _configure_structlog()
+    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
+    return logger
+
+
+# ----------------------------------------------------------------------------- context
+
+
+def fmt_range(first: int, last: int) -> str:
+    """The `range` field: episodes 1..3 -> "01-03"."""
+    return f"{first:02d}-{last:02d}"
+
+
+@contextlib.contextmanager
+def bound_job(**ctx: Any) -> Iterator[None]:
+    """Bind `ctx` (run, epoch, step, work, range, job_id, ...) for the block.
+
+    A `range` given as (first, last) is formatted as "01-03". The previous
+    values are restored on exit, also when the block raises.
+    """
+    span = ctx.get("range")
+    if isinstance(span, tuple) and len(span) == 2:
+        ctx["range"] = fmt_range(*span)
+    with structlog.contextvars.bound_contextvars(**ctx):
+        yield
+
+
+def _call_bound(fn: Callable[..., R], args: tuple[Any, ...], ctx: dict[str, Any]) -> R:
+    with bound_job(**ctx):
+        return fn(*args)
+
+
+def run_in_context(fn: Callable[..., R], /, *args: Any, **ctx: Any) -> R:
+    """Call `fn(*args)` with `ctx` bound, in a copy of the current context.
+
+    For a worker thread (APScheduler's pool starts jobs with an empty context):
+    `scheduler.add_job(run_in_context, args=[job, key], kwargs={"run": ..., ...})`.
+    Keyword arguments are the log context; use functools.partial for `fn`'s own.
+    """
+    return contextvars.copy_context().run(_call_bound, fn, args, ctx)
+
+
+def carry_context(fn: Callable[P, R]) -> Callable[P, R]:
+    """Wrap `fn` to run in the context captured now (the submitting thread's).
+
+    `pool.submit(carry_context(job), key)` logs with whatever was bound around
+    the submit. Each call runs in its own copy, so calls never share bindings.
+    """
+    captured = contextvars.copy_context()
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        return captured.copy().run(fn, *args, **kwargs)
+
+    return wrapper
