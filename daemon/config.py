@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError
 
 from skilltrain.errors import ConfigError
 
@@ -91,7 +91,13 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     integrity: IntegrityConfig = IntegrityConfig()
     daemon: DaemonConfig = DaemonConfig()
-    source: Path | None = Field(None, exclude=True)
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> Path | None:
+        """The config file this was loaded from (None: defaults only)."""
+        return self._source
 
 
 def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
@@ -113,36 +119,55 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
     elif explicit:
         raise ConfigError(f"{path}: config file not found")
-    raw = _apply_env_overrides(raw, environ)
+    raw, from_env = _apply_env_overrides(raw, environ)
     try:
         config = Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {_describe(e, raw)}") from None
-    return _resolve_paths(config, path.resolve().parent, source=path.resolve())
+        raise ConfigError(f"{path}: {_describe(e, from_env)}") from None
+    return _resolve_paths(config, path.resolve().parent,
+                          source=path.resolve() if path.exists() else None)
 
 
-def _apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+def with_llm_overrides(llm: LLMConfig, overrides: Mapping[str, object],
+                       origin: str) -> LLMConfig:
+    """[llm] with some keys replaced, validated like the file (flags of `skilltrain loss`)."""
+    try:
+        return LLMConfig.model_validate({**llm.model_dump(), **overrides})
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(part) for part in first["loc"])
+        raise ConfigError(f"{origin}: {key} = {first.get('input')!r}: {first['msg']}") from None
+
+
+def _apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]
+                         ) -> tuple[dict[str, Any], dict[str, str]]:
     """SKILLTRAIN_LLM_<KEY>=value overrides [llm] <key>.
 
     The value is read as a TOML literal when it is one (`30`, `true`), else
     as a plain string (`openai/gpt-4o-mini`, `http://127.0.0.1:8000/v1`), so
-    numbers and strings both work without quoting.
+    numbers and strings both work without quoting. Returns the new raw
+    config and which [llm] keys came from which variable.
     """
-    llm = dict(raw.get("llm") or {})
+    section = raw.get("llm", {})
+    if not isinstance(section, dict):
+        return raw, {}  # `llm = "x"`: pydantic says it must be a table
+    llm = dict(section)
+    from_env: dict[str, str] = {}
     for name, value in environ.items():
         if not name.startswith(LLM_ENV_PREFIX):
             continue
         key = name[len(LLM_ENV_PREFIX):].lower()
+        from_env[key] = name
         try:
             llm[key] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
             llm[key] = value
     if llm:
         raw = {**raw, "llm": llm}
-    return raw
+    return raw, from_env
 
 
-def _describe(error: ValidationError, raw: Mapping[str, Any]) -> str:
+def _describe(error: ValidationError, from_env: Mapping[str, str]) -> str:
     """The first validation error as one line: key, value, what is allowed."""
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
@@ -151,9 +176,14 @@ def _describe(error: ValidationError, raw: Mapping[str, Any]) -> str:
         allowed = _allowed_keys(loc[:-1])
         hint = difflib.get_close_matches(loc[-1], allowed, n=1)
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+        if len(loc) == 2 and loc[0] == "llm" and loc[1] in from_env:
+            key = f"{key} (from the environment variable {from_env[loc[1]]})"
         return f"unknown key {key}{did_you_mean}; allowed: {', '.join(allowed)}"
     value = first.get("input")
-    return f"{key} = {value!r}: {first['msg']}"
+    origin = ""
+    if len(loc) == 2 and loc[0] == "llm" and loc[1] in from_env:
+        origin = f" (from the environment variable {from_env[loc[1]]})"
+    return f"{key} = {value!r}{origin}: {first['msg']}"
 
 
 def _allowed_keys(section: list[str]) -> list[str]:
@@ -162,10 +192,10 @@ def _allowed_keys(section: list[str]) -> list[str]:
         annotation = model.model_fields[part].annotation
         assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
         model = annotation
-    return [name for name, field in model.model_fields.items() if not field.exclude]
+    return list(model.model_fields)
 
 
-def _resolve_paths(config: Config, base: Path, source: Path) -> Config:
+def _resolve_paths(config: Config, base: Path, source: Path | None) -> Config:
     def resolve(p: Path) -> Path:
         return p if p.is_absolute() else (base / p).resolve()
 
@@ -176,4 +206,6 @@ def _resolve_paths(config: Config, base: Path, source: Path) -> Config:
     )
     log_file = None if config.log.file is None else resolve(config.log.file)
     log = config.log.model_copy(update={"file": log_file})
-    return config.model_copy(update={"paths": paths, "log": log, "source": source})
+    resolved = config.model_copy(update={"paths": paths, "log": log})
+    resolved._source = source
+    return resolved

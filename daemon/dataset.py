@@ -54,14 +54,22 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: a symlink may only lead to a file inside this directory.
-    `max_bytes`: refuse larger files before reading them into memory.
+    `max_bytes`: refuse a larger file before reading it into memory.
     """
     try:
-        st = path.lstat()
+        return _read_episode(path, label, confine_to, max_bytes)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
+    except (OSError, RuntimeError) as e:  # permissions, a symlink loop, a file gone mid-read
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise RefusedError(f"{label} {path} cannot be read ({reason})") from None
+
+
+def _read_episode(path: Path, label: str, confine_to: Path | None,
+                  max_bytes: int | None) -> str:
+    st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
-        target = path.resolve()
+        target = path.resolve(strict=True)
         if confine_to is None or not target.is_relative_to(confine_to.resolve()):
             raise RefusedError(f"{label} {path} is a symlink out of {confine_to or 'its folder'}"
                                "; not followed")
@@ -88,20 +96,32 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
     """Every episode first..last, or RefusedError naming the first bad one.
 
     A range with no episode at all gets the seed's message; a range with some
-    present names the first missing one.
+    present names the first missing one. `max_bytes` bounds the whole range,
+    checked from file sizes before anything is read.
     """
     numbers = range(first, last + 1)
-    if not any(os.path.lexists(directory / episode_name(n)) for n in numbers):
+    paths = [directory / episode_name(n) for n in numbers]
+    if not any(os.path.lexists(p) for p in paths):
         raise RefusedError(f"no {label} episodes {first}-{last} in {directory}")
-    budget = max_bytes
-    episodes: dict[int, str] = {}
-    for n in numbers:
-        text = read_episode(directory / episode_name(n), label=f"{label} episode",
-                            confine_to=confine_to, max_bytes=budget)
-        episodes[n] = text
-        if budget is not None:
-            budget -= len(text.encode("utf-8"))
-    return episodes
+    if max_bytes is not None:
+        sizes = {p: _size(p) for p in paths}
+        total = sum(sizes.values())
+        if total > max_bytes:
+            largest = max(sizes, key=lambda p: sizes[p])
+            raise RefusedError(
+                f"{label} episodes {first}-{last} in {directory} total {total:,} bytes, over "
+                f"the {max_bytes:,}-byte limit the model's context window allows "
+                f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
+    return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
+                            max_bytes=max_bytes)
+            for n, p in zip(numbers, paths, strict=True)}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except (OSError, RuntimeError):
+        return 0  # read_episode will say what is wrong with it
 
 
 @dataclass(frozen=True)

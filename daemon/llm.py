@@ -89,11 +89,22 @@ def max_input_tokens(model: str) -> int | None:
     return int(value) if value else None
 
 
-def supports_prompt_caching(model: str) -> bool:
+# Providers whose prompt caching needs explicit cache_control markers; the
+# others (OpenAI, DeepSeek, ...) cache a repeated prefix by themselves, and
+# an OpenAI-compatible local server may not accept content parts at all.
+EXPLICIT_CACHE_PROVIDERS = frozenset({"anthropic", "bedrock", "vertex_ai", "vertex_ai_beta"})
+
+
+def wants_cache_markers(model: str) -> bool:
+    """Should the stable prompt prefix be sent as a cache_control content part?"""
+    lm = litellm()
+    from litellm.utils import supports_prompt_caching
+
     try:
-        return bool(litellm().supports_prompt_caching(model=model))
+        provider = lm.get_llm_provider(model)[1]
+        return provider in EXPLICIT_CACHE_PROVIDERS and bool(supports_prompt_caching(model=model))
     except Exception:
-        return False
+        return False  # unknown model: plain text is always accepted
 
 
 def complete(messages: Sequence[Message], settings: LLMConfig, *,
@@ -164,35 +175,52 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         kwargs["max_tokens"] = settings.max_output_tokens
     if settings.temperature is not None:
         kwargs["temperature"] = settings.temperature
+    prompt = _prompt_text(messages)
     try:
         return lm.completion(**kwargs)
     except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
             lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
-        raise RetryableError(_describe(e), _retry_after(e)) from None
+        raise RetryableError(_describe(e, prompt), _retry_after(e)) from None
     except lm.APIError as e:
         # Any other provider-side 5xx we do not know by name is transient too.
         if (getattr(e, "status_code", 0) or 0) >= 500:
-            raise RetryableError(_describe(e), _retry_after(e)) from None
-        raise LLMError(_describe(e)) from None
-    except lm.AuthenticationError as e:
-        raise LLMError(_describe(e)) from None
-    except lm.BadRequestError as e:
-        raise LLMError(_describe(e)) from None
+            raise RetryableError(_describe(e, prompt), _retry_after(e)) from None
+        raise LLMError(_describe(e, prompt)) from None
+    except (lm.AuthenticationError, lm.BadRequestError) as e:
+        raise LLMError(_describe(e, prompt)) from None
     except Exception as e:
         if type(e).__module__.startswith(("litellm", "openai", "httpx")):
-            raise LLMError(_describe(e)) from None
+            raise LLMError(_describe(e, prompt)) from None
         raise
 
 
-def _describe(error: BaseException) -> str:
+ECHO_PROBE_CHARS = 30
+
+
+def _prompt_text(messages: Sequence[Message]) -> str:
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return " ".join(" ".join(parts).split())
+
+
+def _describe(error: BaseException, prompt: str = "") -> str:
     """Class and status, and the provider's message cut short.
 
     The message is the provider's, not ours: it can echo the request (hence
-    the prompt, hence the human text) or a key. Keep it to one line and the
-    first 200 characters; log scrubbing removes anything shaped like a key.
+    the prompt, hence the human text) or a key. It is kept to one line and
+    200 characters, and dropped whole when any 30-character stretch of it
+    occurs in the prompt; log scrubbing removes anything shaped like a key.
     """
     status = getattr(error, "status_code", None)
     message = " ".join(str(getattr(error, "message", "") or error).split())[:200]
+    if prompt and any(message[i:i + ECHO_PROBE_CHARS] in prompt
+                      for i in range(0, len(message) - ECHO_PROBE_CHARS + 1, 5)):
+        message = "(message withheld: it quotes the prompt)"
     kind = type(error).__name__
     return f"{kind} (HTTP {status}): {message}" if status else f"{kind}: {message}"
 

@@ -13,11 +13,11 @@ from skilltrain.templates import PromptTemplates
 def main(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
     overrides: dict[str, object] = {}
-    if args.model:
+    if args.model is not None:
         overrides["model"] = args.model
-    if args.timeout:
+    if args.timeout is not None:
         overrides["timeout"] = args.timeout
-    settings = cfg.llm.model_copy(update=overrides)
+    settings = config.with_llm_overrides(cfg.llm, overrides, origin="the command line")
     work = dataset.load_work(args.work)
     job = loss.LossJob(work=work, scripts_dir=args.scripts.resolve(),
                        report_path=args.out.resolve(), first=args.first, last=args.last)

@@ -77,6 +77,7 @@ class Daemon:
         self.clock = clock
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
         self.abort_event = threading.Event()  # abandon jobs waiting to retry
+        self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
         self.exit_code = ExitCode.OK
         self.state = StateStore(self.runs)
         self.templates = PromptTemplates(cfg.paths.prompts)
@@ -89,6 +90,7 @@ class Daemon:
         self._ignored: set[str] = set()
         self._budget_reported: set[str] = set()
         self._optimizer_futures: list[Future[None]] = []
+        self._optimizer_pending: set[str] = set()  # step ids with an optimizer run claimed
         self._progress_at = time.monotonic()
         self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
         self.scheduler = BackgroundScheduler(
@@ -155,7 +157,7 @@ class Daemon:
                    if (episodes := work.read_all_human())]
         result = audit.scan(self.runs, indexes)
         for hit in result.hits:
-            self.emit("audit.leak", level="warning", file=str(hit.file), line=hit.line,
+            self.emit("audit.leak", level="error", file=str(hit.file), line=hit.line,
                       work=hit.work, episode=hit.episode, n_words=hit.n_words)
         self.emit("audit.completed", level="warning" if result.hits else "info",
                   files=result.files, leaks=len(result.hits), errors=len(result.errors),
@@ -352,10 +354,10 @@ class Daemon:
     def _report_stale(self, key: layout.SetKey) -> None:
         step = self.state.steps.get(key.step_key.id)
         after_optimizer = bool(step and step.optimizer_done)
-        self.emit("set.stale", level="warning" if after_optimizer else "info",
-                  reason="inputs changed since the report was written"
+        self.emit("set.stale", reason="inputs changed since the report was written"
                   + ("; the optimizer already ran for this step and is NOT re-triggered"
-                     if after_optimizer else ""), **key.log_fields())
+                     if after_optimizer else ""), after_optimizer=after_optimizer,
+                  **key.log_fields())
 
     def template_hash(self) -> str:
         cached = self._template_hash
@@ -413,6 +415,10 @@ class Daemon:
             # Changed while queued: the settle wait starts again.
             self.schedule_evaluate(key)
             return
+        if self._over_budget(key.run):
+            # Queued before the budget ran out; it must not start now.
+            self.state.update(key.id, SetState.SETTLING, reason="budget reached")
+            return
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=self.works[key.work], scripts_dir=key.scripts_dir(self.runs),
                            report_path=key.report_path(self.runs), first=key.first,
@@ -445,14 +451,16 @@ class Daemon:
         c = result.completion
         spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
                                      c.cost_usd)
-        self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
-                          fingerprint=fp.as_json())
+        # Logged before the set turns DONE: DONE may complete the step, and
+        # step.reported must come after the step's last loss.completed.
         self.emit("loss.completed", report=str(result.report_path), tokens_in=c.tokens_in,
                   tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
                   duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
                   attempts=c.attempts)
         self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
                   cost_usd=round(spend.cost_usd, 6))
+        self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
+                          fingerprint=fp.as_json())
 
     def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str) -> None:
         attempts += 1
@@ -491,25 +499,23 @@ class Daemon:
             due = (not rec.optimizer_done
                    and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
                    and (rec.optimizer_next_at or 0) <= self.clock()
-                   and not self._optimizer_running(step))
+                   and step.id not in self._optimizer_pending)
             if due:
                 rec.optimizer_attempts += 1
+                self._optimizer_pending.add(step.id)  # decided and claimed under one lock
         if first_time:
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys))
         if due:
             self._trigger_optimizer(step)
 
-    def _optimizer_running(self, step: layout.StepKey) -> bool:
-        return any(not f.done() and getattr(f, "step_id", None) == step.id
-                   for f in self._optimizer_futures)
-
     def _trigger_optimizer(self, step: layout.StepKey) -> None:
         if not self.cfg.optimizer.command:
-            self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
+            with self.state.lock:
+                self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
+                self._optimizer_pending.discard(step.id)
             return
         future = self.optimizer_pool.submit(self._run_optimizer, step)
-        future.step_id = step.id  # type: ignore[attr-defined]
         self._optimizer_futures = [f for f in self._optimizer_futures if not f.done()] + [future]
 
     def _run_optimizer(self, step: layout.StepKey) -> None:
@@ -517,18 +523,28 @@ class Daemon:
                   "reports_dir": str(step.reports_dir(self.runs)),
                   "run_dir": str(step.run_dir(self.runs))}
         argv = optimizer.render_argv(self.cfg.optimizer.command, values)
-        fields = {"run": step.run, "epoch": step.epoch, "step": step.step}
+        fields: dict[str, Any] = {"run": step.run, "epoch": step.epoch, "step": step.step}
+
+        def emit(event: str, **kw: Any) -> None:
+            # The output relays are plain threads: bound context does not reach them.
+            self.emit(event, **fields, **kw)
+
         with log.bound_job(**fields):
             self.emit("optimizer.started", argv=argv)
-            result = optimizer.run(argv, timeout_s=self.cfg.optimizer.timeout_s, emit=self.emit)
+            try:
+                result = optimizer.run(argv, timeout_s=self.cfg.optimizer.timeout_s, emit=emit,
+                                       cancel=self.kill_optimizer)
+            finally:
+                with self.state.lock:
+                    self._optimizer_pending.discard(step.id)
             rec = self.state.step(step.id)
             with self.state.lock:
                 rec.optimizer_exit_code = result.exit_code
                 rec.optimizer_done = result.exit_code == 0
                 if not rec.optimizer_done:
                     rec.optimizer_next_at = self.clock() + self.cfg.loss.retry_backoff_s
-            self.emit("optimizer.finished", exit_code=result.exit_code,
-                      duration_ms=result.duration_ms)
+            self.emit("optimizer.finished", level="info" if result.exit_code == 0 else "error",
+                      exit_code=result.exit_code, duration_ms=result.duration_ms)
             if result.reason is not None:
                 self.emit("optimizer.failed", level="error", reason=result.reason,
                           attempt=rec.optimizer_attempts,
@@ -612,19 +628,29 @@ class Daemon:
             self.scheduler.shutdown(wait=False)
         # 2. jobs not started yet are cancelled; they are found again at next start
         self.pool.shutdown(wait=False, cancel_futures=True)
-        # 3. running jobs may finish (their writes are atomic) up to the bound
+        self.optimizer_pool.shutdown(wait=False, cancel_futures=True)
+        # 3. running jobs and the optimizer may finish (their writes are atomic)
+        #    up to the bound; a cancelled optimizer is retried at the next start
         deadline = time.monotonic() + self.cfg.daemon.shutdown_timeout_s
         with self._lock:
-            futures = list(self._active.values())
+            futures = list(self._active.values()) + self._optimizer_futures
         for future in futures:
             with contextlib.suppress(Exception):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
         # 4. what is still running (inside an LLM call) is abandoned: it dies
         #    with the process, and its writes are atomic, so nothing is partial
+        self.kill_optimizer.set()
+        for future in self._optimizer_futures:
+            with contextlib.suppress(Exception):
+                future.result(timeout=5)
         abandoned = sum(1 for f in futures if not f.done())
+        for run, spend in sorted(self.state.spend.items()):
+            self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
+                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6))
         self.state.flush(force=True, pid=None)
         counts = self.state.counts()
-        self.emit("daemon.stopped", exit_code=int(self.exit_code), done=counts.get("done", 0),
+        self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",
+                  exit_code=int(self.exit_code), done=counts.get("done", 0),
                   failed=counts.get("failed", 0), abandoned=abandoned)
         self._run_lock.release()
         self.abandoned = abandoned

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,11 @@ from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
 SYSCTL = "fs.inotify.max_user_watches"
+
+# watchdog warns when a new folder's watch is added twice (a folder created
+# and seen by two events). Harmless; as an error (pytest -W error) it would
+# kill the emitter thread, and in production it prints a non-JSON line.
+warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
 IGNORED_EVENTS = (FileOpenedEvent, FileClosedNoWriteEvent)
 
 Hint = Callable[[Path], None]

@@ -117,18 +117,19 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     human = job.work.read_human(job.first, job.last, max_bytes=max_bytes)
     model = dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
                                confine_to=confine_to, max_bytes=max_bytes)
+    template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
         model=dataset.episodes_digest(model),
-        template=templates.source_hash(TEMPLATE),
+        template=template.source_hash,
         model_id=settings.model,
     )
     human_block = craft_metrics.format_episodes("Human", human)
     model_block = craft_metrics.format_episodes("Model", model)
     fields = dict(work=job.work.name, title=job.work.title,
                   episode_range=f"{job.first}-{job.last}", model_scripts=model_block)
-    prompt = templates.render(TEMPLATE, human_scripts=human_block, **fields)
-    archive = templates.render(TEMPLATE, human_scripts=_placeholder(human), **fields)
+    prompt = template.render(human_scripts=human_block, **fields)
+    archive = template.render(human_scripts=_placeholder(human), **fields)
     messages = build_messages(prompt, model_block, settings.model)
 
     prompt_tokens = llm.count_tokens(settings.model, messages)
@@ -154,7 +155,7 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                             allow_text=model_block):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
-        raise RefusedError(f"template {templates.path(TEMPLATE)} renders human screenplay "
+        raise RefusedError(f"template {template.path} renders human screenplay "
                            "text outside human_scripts; the prompt archive is not written")
     report_text = report + "\n"
     duration_ms = int((time.monotonic() - t0) * 1000)
@@ -197,7 +198,7 @@ def build_messages(prompt: str, model_block: str, model: str) -> list[llm.Messag
     """One user message; for providers with prompt caching, split so the stable
     prefix (instructions + human screenplay) is marked cacheable."""
     cut = prompt.find(model_block)
-    if cut <= 0 or not llm.supports_prompt_caching(model):
+    if cut <= 0 or not llm.wants_cache_markers(model):
         return [{"role": "user", "content": prompt}]
     return [{"role": "user", "content": [
         {"type": "text", "text": prompt[:cut], "cache_control": {"type": "ephemeral"}},

@@ -7,6 +7,9 @@ log line by line, so `journalctl -f` shows what the optimizer says.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -40,8 +43,13 @@ def check_command(command: Sequence[str]) -> None:
     render_argv(command, {name: name for name in PLACEHOLDERS})
 
 
-def run(argv: Sequence[str], *, timeout_s: float, emit: Emit,
-        cwd: str | None = None) -> OptimizerResult:
+def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = None,
+        cancel: threading.Event | None = None) -> OptimizerResult:
+    """Run the command to completion, its timeout, or `cancel` (the daemon stopping).
+
+    It runs in a session of its own, so a timeout or a cancel kills its
+    whole process group, children included.
+    """
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -54,16 +62,32 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit,
               for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for relay in relays:
         relay.start()
-    try:
-        code: int | None = proc.wait(timeout=timeout_s)
-        reason = None if code == 0 else f"exit code {code}"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code, reason = None, f"timed out after {timeout_s:g}s and was killed"
+    cancel = cancel or threading.Event()
+    deadline = time.monotonic() + timeout_s
+    code: int | None = None
+    reason: str | None = None
+    while code is None:
+        try:
+            code = proc.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if cancel.is_set():
+                reason = "killed: the daemon is stopping"
+            elif time.monotonic() >= deadline:
+                reason = f"timed out after {timeout_s:g}s and was killed"
+            if reason is not None:
+                _kill_group(proc)
+                break
+    if reason is None and code != 0:
+        reason = f"exit code {code}"
     for relay in relays:
         relay.join(timeout=5)
     return OptimizerResult(code, _ms(t0), reason)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _relay(stream: IO[str], name: str, emit: Emit) -> None:
