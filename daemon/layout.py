@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +55,16 @@ class SetKey:
     first: int
     last: int
 
-    @property
+    # Cached: a scan of 20,000 sets asks for each of these several times.
+    @cached_property
     def step_key(self) -> StepKey:
         return StepKey(self.run, self.epoch, self.step)
 
-    @property
+    @cached_property
     def range_label(self) -> str:
         return format_range(self.first, self.last)
 
-    @property
+    @cached_property
     def id(self) -> str:
         return f"{self.step_key.id}/{self.work}/{self.range_label}"
 

@@ -75,6 +75,11 @@ class RetryableError(Exception):
         self.retry_after_s = retry_after_s
 
 
+def warm_up(model: str) -> None:
+    """Import litellm and load the tokenizer now, off the first job's clock."""
+    count_tokens(model, [{"role": "user", "content": "warm up"}])
+
+
 def count_tokens(model: str, messages: Sequence[Message]) -> int:
     return int(litellm().token_counter(model=model, messages=list(messages)))
 

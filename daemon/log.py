@@ -25,6 +25,7 @@ import logging.handlers
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TextIO, TypeVar
@@ -113,14 +114,27 @@ _structlog_ready = False
 # --------------------------------------------------------------------------- scrubbing
 
 
+_env_secrets_cache: tuple[float, int, list[str]] = (-1.0, -1, [])
+_ENV_SECRETS_TTL_S = 1.0
+
+
 def _env_secrets() -> list[str]:
-    # Read on every call: a key set after configure() (tests, a late env file) is covered.
+    # Re-read when a variable was added or removed, and at least every second:
+    # a key set after configure() (tests, a late env file) is still covered,
+    # without walking os.environ for every line.
+    global _env_secrets_cache
+    now = time.monotonic()
+    checked_at, size, cached = _env_secrets_cache
+    if size == len(os.environ) and now - checked_at < _ENV_SECRETS_TTL_S:
+        return cached
     values = {
         value
         for name, value in os.environ.items()
         if name.upper().endswith(_SECRET_ENV_SUFFIXES) and len(value) >= _MIN_ENV_SECRET
     }
-    return sorted(values, key=len, reverse=True)
+    secrets = sorted(values, key=len, reverse=True)
+    _env_secrets_cache = (now, len(os.environ), secrets)
+    return secrets
 
 
 def _scrub_str(text: str, env_secrets: list[str]) -> str:
@@ -258,6 +272,27 @@ def _wants_console(stderr: TextIO, stderr_format: str) -> bool:
     return stderr_format == "console"
 
 
+class _ResilientFileHandler(logging.handlers.WatchedFileHandler):
+    """WatchedFileHandler that survives its folder being deleted.
+
+    The default log file lives in runs/; if runs/ is deleted, the stock
+    handler's reopen raises FileNotFoundError out of every logging call (it
+    runs outside emit's error handling) and takes the daemon down with it.
+    This one recreates the folder, and a write that still fails is reported
+    by logging's handleError instead of raised into our code.
+    """
+
+    def _open(self) -> Any:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except Exception:
+            self.handleError(record)
+
+
 def configure(
     *,
     log_file: Path | None,
@@ -287,7 +322,7 @@ def configure(
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         # WatchedFileHandler reopens the path when logrotate renames the file.
-        file_handler = logging.handlers.WatchedFileHandler(log_file, encoding="utf-8")
+        file_handler = _ResilientFileHandler(log_file, encoding="utf-8")
         file_handler.setFormatter(_json_formatter())
         _handlers.append(file_handler)
     for handler in _handlers:

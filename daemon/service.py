@@ -45,8 +45,8 @@ from skilltrain.errors import (
 )
 from skilltrain.handlers import loss, optimizer
 from skilltrain.lock import RunsLock
-from skilltrain.observe import Fingerprint, HumanDigests, observe, report_is_current
-from skilltrain.state import SetState, StateStore
+from skilltrain.observe import Fingerprint, HumanDigests, observe, report_is_current, sigs_digest
+from skilltrain.state import SetState, StateStore, StepRecord
 from skilltrain.templates import PromptTemplates
 from skilltrain.watcher import Watcher
 
@@ -102,6 +102,7 @@ class Daemon:
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.hint, self.emit)
         self._template_hash: tuple[float, str] | None = None
         self.abandoned = 0
+        self._next_flush_at = 0.0
 
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
@@ -121,7 +122,8 @@ class Daemon:
                   config=str(self.cfg.source), runs_dir=str(self.runs),
                   observer=self.cfg.watch.observer, concurrency=self.cfg.loss.concurrency,
                   model=self.cfg.llm.model, once=self.once)
-        removed = atomic.remove_leftover_temp_files(self.runs)
+        # The daemon writes only under runs/*/loss/ and runs/.skilltrain/.
+        removed = sum(atomic.remove_leftover_temp_files(d) for d in self._own_dirs())
         if removed:
             self.emit("daemon.cleaned", temp_files=removed)
         self.templates.check(loss.TEMPLATE)  # a syntax error stops us here, with its line
@@ -132,7 +134,8 @@ class Daemon:
         self.state.load()
         if self.cfg.llm.model and not self.once:
             # Pay litellm's ~5 s import now, not in the first job's pickup latency.
-            threading.Thread(target=llm.litellm, name="litellm-import", daemon=True).start()
+            threading.Thread(target=llm.warm_up, args=[self.cfg.llm.model],
+                             name="litellm-import", daemon=True).start()
         self.scheduler.start()
         if not self.once:
             self.watcher.start()
@@ -162,6 +165,12 @@ class Daemon:
         self.emit("audit.completed", level="warning" if result.hits else "info",
                   files=result.files, leaks=len(result.hits), errors=len(result.errors),
                   duration_ms=int((time.monotonic() - t0) * 1000))
+
+    def _own_dirs(self) -> list[Path]:
+        dirs = [self.runs / layout.STATE_DIR]
+        dirs += [run / layout.LOSS_DIR for run in _subdirs(self.runs)
+                 if (run / layout.LOSS_DIR).is_dir()]
+        return dirs
 
     # ------------------------------------------------------------------- scan
     def scan(self) -> None:
@@ -299,7 +308,7 @@ class Daemon:
             return
         work = self.works[key.work]
         human = self.human_digests.digest(work, key.first, key.last) or ""
-        fp = Fingerprint(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
+        fp = Fingerprint.of(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
         recorded = Fingerprint.from_json(rec.fingerprint) if rec and rec.fingerprint else None
         if human and report_is_current(key, self.runs, fp, recorded):
             if rec is None or rec.state != SetState.DONE or recorded != fp:
@@ -411,7 +420,7 @@ class Daemon:
     def _run_loss(self, key: layout.SetKey, fp: Fingerprint, attempts: int) -> None:
         if self.stop_event.is_set():
             return
-        if observe(key, self.runs).sigs != fp.sigs:
+        if sigs_digest(observe(key, self.runs).sigs) != fp.sigs:
             # Changed while queued: the settle wait starts again.
             self.schedule_evaluate(key)
             return
@@ -491,15 +500,16 @@ class Daemon:
             if not all((r := self.state.sets.get(k.id)) and r.state == SetState.DONE
                        for k in keys):
                 return
-            rec = self.state.steps.get(step.id)
-            first_time = rec is None or rec.reported_at is None
-            rec = self.state.step(step.id)
-            if first_time:
-                rec.reported_at = self.clock()
+            rec = self.state.steps.get(step.id) or StepRecord()
+            first_time = rec.reported_at is None
             due = (not rec.optimizer_done
                    and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
                    and (rec.optimizer_next_at or 0) <= self.clock()
                    and step.id not in self._optimizer_pending)
+            if first_time or due:
+                rec = self.state.step(step.id)  # only now: it marks the state for a write
+            if first_time:
+                rec.reported_at = self.clock()
             if due:
                 rec.optimizer_attempts += 1
                 self._optimizer_pending.add(step.id)  # decided and claimed under one lock
@@ -574,11 +584,24 @@ class Daemon:
             if self.watcher.root_replaced() or not self.watcher.alive():
                 self._watcher_died()
                 continue
-            self.state.flush(pid=os.getpid())
+            self._flush_state()
             line = self.status_line()
             if line != last_status:
                 self.notifier.status(line)
                 last_status = line
+
+    def _flush_state(self) -> None:
+        """Write state.json when dirty, at most every 10x its last write's cost.
+
+        A state of 20,000 sets takes a good fraction of a second to write; a
+        busy daemon must not spend its time rewriting it every tick.
+        """
+        now = time.monotonic()
+        if now < self._next_flush_at:
+            return
+        if self.state.flush(pid=os.getpid()):
+            cost = time.monotonic() - now
+            self._next_flush_at = time.monotonic() + max(0.0, 10 * cost - LOOP_TICK_S)
 
     def _watcher_died(self) -> None:
         if self.watcher.root_replaced():
@@ -711,7 +734,8 @@ def _subdirs(path: Path) -> list[Path]:
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     with entries:
-        return sorted(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
+        names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    return [path / name for name in names]
 
 
 def _at(ts: float) -> datetime:

@@ -19,10 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirModifiedEvent,
     DirMovedEvent,
-    FileClosedNoWriteEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
     FileMovedEvent,
-    FileOpenedEvent,
     FileSystemEvent,
     FileSystemEventHandler,
 )
@@ -36,7 +41,13 @@ SYSCTL = "fs.inotify.max_user_watches"
 # and seen by two events). Harmless; as an error (pytest -W error) it would
 # kill the emitter thread, and in production it prints a non-JSON line.
 warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
-IGNORED_EVENTS = (FileOpenedEvent, FileClosedNoWriteEvent)
+# Only what can change a set. Asked of the kernel, not filtered afterwards:
+# unrequested IN_OPEN/IN_CLOSE_NOWRITE events still fill inotify's queue, and
+# on a tree of 60,000 folders every scan (which opens each folder) overflowed
+# it; watchdog then re-walks the tree to re-add its watches, which overflows
+# it again, for ever (measured: a core at 100% while idle, events lost).
+EVENT_FILTER = [FileCreatedEvent, FileModifiedEvent, FileClosedEvent, FileMovedEvent,
+                FileDeletedEvent, DirCreatedEvent, DirMovedEvent, DirDeletedEvent]
 
 Hint = Callable[[Path], None]
 Report = Callable[..., None]  # report(event_name, **fields)
@@ -48,8 +59,8 @@ class _HintHandler(FileSystemEventHandler):
         self._report = report
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        if isinstance(event, IGNORED_EVENTS):
-            return
+        if isinstance(event, DirModifiedEvent):
+            return  # a folder's mtime: the polling observer's echo of a change inside it
         try:
             self._hint(Path(os.fsdecode(event.src_path)))
             # rsync and editors write a temp file and rename it: the final
@@ -103,7 +114,8 @@ class Watcher:
     def _start(self, *, polling: bool) -> None:
         observer: BaseObserver = (PollingObserver(timeout=self._polling_interval_s)
                                   if polling else Observer())
-        observer.schedule(self._handler, str(self.runs), recursive=True)
+        observer.schedule(self._handler, str(self.runs), recursive=True,
+                          event_filter=EVENT_FILTER)
         observer.daemon = True
         observer.start()
         self._observer = observer
@@ -178,7 +190,12 @@ def inotify_watch_count() -> int | None:
 
 def count_folders(root: Path) -> int:
     """Folders a recursive watch needs: root and every real (non-symlink) folder below."""
-    count = 1
-    for dirpath, dirnames, _ in os.walk(root):
-        count += sum(1 for d in dirnames if not os.path.islink(os.path.join(dirpath, d)))
+    count, stack = 0, [str(root)]
+    while stack:
+        count += 1
+        try:
+            with os.scandir(stack.pop()) as entries:
+                stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
     return count

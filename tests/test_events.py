@@ -887,6 +887,7 @@ def test_report_redone_after_the_optimizer_ran_does_not_retrigger_it(ws: Workspa
     with daemon_once(ws.cfg or ws.load()) as d:
         assert len(named(ws.new_lines(), "optimizer.finished", exit_code=0)) == 1
         (scripts / "ep02.txt").write_text(model_text("a", 2, "rewritten"), encoding="utf-8")
+        (scripts / "_SUCCESS").touch()  # the writer marks the rewrite finished
         d.scan()
         d.run_once()
     lines = ws.new_lines()
@@ -904,6 +905,7 @@ def test_set_stale_level_matches_the_catalogue(ws: Workspace) -> None:
     scripts = ws.scripts("r1", 1, 1, "a", range(1, 4))
     run_once(ws)
     (scripts / "ep02.txt").write_text(model_text("a", 2, "rewritten"), encoding="utf-8")
+    (scripts / "_SUCCESS").touch()  # the writer marks the rewrite finished
     lines = run_once(ws)
     assert named(lines, "set.stale")
     assert catalogue_problems(named(lines, "set.stale")) == []
