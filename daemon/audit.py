@@ -27,7 +27,7 @@ import re
 import stat
 import sys
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,7 @@ class AuditResult:
     hits: list[Hit] = field(default_factory=list)
     files: int = 0
     chars: int = 0
+    skipped: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -221,13 +222,21 @@ def _regular_files(root: Path, errors: list[str]) -> Iterator[Path]:
         stack.extend(reversed(subfolders))
 
 
-def scan(root: Path, indexes: Sequence[HumanIndex]) -> AuditResult:
-    """Audit every regular file under root against every index."""
+def scan(root: Path, indexes: Sequence[HumanIndex], *,
+         unchanged: Callable[[Path], bool] | None = None) -> AuditResult:
+    """Audit every regular file under root against every index.
+
+    `unchanged(path)`: True skips a file already found clean (the daemon's
+    start-up audit keeps a cache of file signatures).
+    """
     result = AuditResult()
     if not root.is_dir():
         result.errors.append(f"{root}: not a directory")
         return result
     for path in _regular_files(root, result.errors):
+        if unchanged is not None and unchanged(path):
+            result.skipped += 1
+            continue
         try:
             hits, chars = scan_file(path, indexes)
         except _TooLarge as e:

@@ -9,8 +9,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +54,29 @@ class SetKey:
     first: int
     last: int
 
-    # Cached: a scan of 20,000 sets asks for each of these several times.
-    @cached_property
-    def step_key(self) -> StepKey:
-        return StepKey(self.run, self.epoch, self.step)
+    # Computed once: a scan of 20,000 sets asks for each of these several
+    # times (functools.cached_property takes a lock per access: slower).
+    step_key: StepKey = field(init=False, compare=False, repr=False)
+    range_label: str = field(init=False, compare=False, repr=False)
+    id: str = field(init=False, compare=False, repr=False)
 
-    @cached_property
-    def range_label(self) -> str:
-        return format_range(self.first, self.last)
-
-    @cached_property
-    def id(self) -> str:
-        return f"{self.step_key.id}/{self.work}/{self.range_label}"
+    def __post_init__(self) -> None:
+        step_key = StepKey(self.run, self.epoch, self.step)
+        range_label = format_range(self.first, self.last)
+        object.__setattr__(self, "step_key", step_key)
+        object.__setattr__(self, "range_label", range_label)
+        object.__setattr__(self, "id", f"{step_key.id}/{self.work}/{range_label}")
 
     def scripts_dir(self, runs: Path) -> Path:
         return self.step_key.step_dir(runs) / self.work / SCRIPTS
 
     def report_path(self, runs: Path) -> Path:
-        return self.step_key.reports_dir(runs) / f"{self.work}_ep{self.range_label}.md"
+        return Path(self.report_file(runs))
+
+    def report_file(self, runs: Path) -> str:
+        """report_path as a plain string, for the scan's hot path."""
+        return (f"{runs}/{self.run}/{LOSS_DIR}/epoch_{self.epoch:02d}/step_{self.step:02d}/"
+                f"{self.work}_ep{self.range_label}.md")
 
     def log_fields(self) -> dict[str, Any]:
         return {"run": self.run, "epoch": self.epoch, "step": self.step,

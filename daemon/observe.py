@@ -187,13 +187,13 @@ def report_is_current(key: SetKey, runs: Path, fingerprint: Fingerprint,
     (restart with lost state, a touched file): compare the sidecar's content
     hashes with hashes of the files as they are now.
     """
-    report = key.report_path(runs)
-    sidecar = loss.sidecar_path(report)
+    report = key.report_file(runs)
+    sidecar = report[: -len(".md")] + ".json"  # loss.sidecar_path, without pathlib
     if not (os.path.isfile(sidecar) and os.path.isfile(report)):
         return False
     if recorded == fingerprint:
         return True
-    data = loss.read_sidecar(report)
+    data = loss.read_sidecar(Path(report))
     inputs = data.get("inputs") if data else None
     if not isinstance(inputs, dict):
         return False

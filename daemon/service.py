@@ -18,6 +18,7 @@ a restart or a second event for the same file changes nothing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -53,7 +54,8 @@ from skilltrain.watcher import Watcher
 HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
 RESCAN_DEBOUNCE_S = 0.5
 LOOP_TICK_S = 1.0
-RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
+RESYNC_JITTER = 0.1
+AUDIT_CACHE = "audit-cache.json"  # +-10%: daemons on one NFS server do not scan in lockstep
 
 
 class Abandoned(Exception):
@@ -132,15 +134,17 @@ class Daemon:
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
         self.state.load()
-        if self.cfg.llm.model and not self.once:
+        self.scheduler.start()
+        # The first scan runs alone: watchdog's initial walk (one watch per
+        # folder) and litellm's import would triple its time on a large tree.
+        # What changes before the watch is up is caught by a catch-up scan.
+        self.scan()
+        if not self.once:
             # Pay litellm's ~5 s import now, not in the first job's pickup latency.
             threading.Thread(target=llm.warm_up, args=[self.cfg.llm.model],
                              name="litellm-import", daemon=True).start()
-        self.scheduler.start()
-        if not self.once:
             self.watcher.start()
-        self.scan()
-        if not self.once:
+            self._schedule_scan()
             interval = self.cfg.watch.resync_seconds
             self.scheduler.add_job(self.scan, "interval", seconds=interval, id="resync",
                                    jitter=max(1, int(interval * RESYNC_JITTER)),
@@ -151,20 +155,43 @@ class Daemon:
             threading.Thread(target=self.audit, name="audit", daemon=True).start()
 
     def audit(self) -> None:
-        """Full leak audit of runs/; hits are logged without their text."""
+        """Full leak audit of runs/; hits are logged without their text.
+
+        Files found clean before, unchanged since (size, mtime, inode) and
+        checked against the same answer keys are skipped: on a large tree
+        the first audit costs minutes of CPU, the next ones seconds.
+        """
         from skilltrain import audit, leakguard
 
         t0 = time.monotonic()
-        indexes = [leakguard.index_for(name, episodes)
-                   for name, work in self.works.items()
-                   if (episodes := work.read_all_human())]
-        result = audit.scan(self.runs, indexes)
+        human = {name: episodes for name, work in self.works.items()
+                 if (episodes := work.read_all_human())}
+        indexes = [leakguard.index_for(name, episodes) for name, episodes in human.items()]
+        keys_digest = dataset.sha256_text(
+            "".join(f"{name}:{dataset.episodes_digest(eps)}\n" for name, eps in human.items()))
+        cache_path = self.runs / layout.STATE_DIR / AUDIT_CACHE
+        old = _read_audit_cache(cache_path, keys_digest)
+        new: dict[str, list[int]] = {}
+
+        def unchanged(path: Path) -> bool:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return False
+            new[str(path)] = [st.st_size, st.st_mtime_ns, st.st_ino]
+            return old.get(str(path)) == new[str(path)]
+
+        result = audit.scan(self.runs, indexes, unchanged=unchanged)
         for hit in result.hits:
+            new.pop(str(hit.file), None)  # never remembered as clean
             self.emit("audit.leak", level="error", file=str(hit.file), line=hit.line,
                       work=hit.work, episode=hit.episode, n_words=hit.n_words)
+        new.pop(str(cache_path), None)
+        with contextlib.suppress(OSError):
+            atomic.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
         self.emit("audit.completed", level="warning" if result.hits else "info",
-                  files=result.files, leaks=len(result.hits), errors=len(result.errors),
-                  duration_ms=int((time.monotonic() - t0) * 1000))
+                  files=result.files, skipped=result.skipped, leaks=len(result.hits),
+                  errors=len(result.errors), duration_ms=int((time.monotonic() - t0) * 1000))
 
     def _own_dirs(self) -> list[Path]:
         dirs = [self.runs / layout.STATE_DIR]
@@ -177,20 +204,21 @@ class Daemon:
         """Level-triggered reconciliation: look at every set under runs/."""
         t0 = time.monotonic()
         self._template_hash = None  # re-read the template once per scan
-        keys = list(self._discover_sets())
-        for key in keys:
-            try:
-                self.evaluate(key)
-            except Exception:
-                self.log.exception("set.error", **key.log_fields())
-        seen = {key.id for key in keys}
+        steps = dict(self._discover_steps())
+        for keys in steps.values():
+            for key in keys:
+                try:
+                    self.evaluate(key)
+                except Exception:
+                    self.log.exception("set.error", **key.log_fields())
+        seen = {key.id for keys in steps.values() for key in keys}
         with self.state.lock:
             for set_id in set(self.state.sets) - seen:
                 if set_id not in self._active:
                     del self.state.sets[set_id]  # its folder is gone
                     self.state.mark_dirty()
-        for step in sorted({key.step_key for key in keys}):
-            self.check_step(step)
+        for step in sorted(steps):
+            self.check_step(step, steps[step])
         counts = self.state.counts()
         by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
         self.emit("scan.completed", sets=len(seen),
@@ -198,10 +226,12 @@ class Daemon:
         self.watcher.check_coverage()
         self._progress_at = time.monotonic()
 
-    def _discover_sets(self) -> Iterator[layout.SetKey]:
+    def _discover_steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
+        """Every step folder under runs/ with the sets it is expected to have."""
         for run in _subdirs(self.runs):
             if run.name.startswith("."):
                 continue
+            works = self._expected_works(run.name)
             for epoch_dir in _subdirs(run):
                 epoch = layout.EPOCH_DIR.fullmatch(epoch_dir.name)
                 if epoch is None:
@@ -214,14 +244,15 @@ class Daemon:
                         self._ignore(step_dir, "not a step_NN folder")
                         continue
                     step_key = layout.StepKey(run.name, int(epoch.group(1)), int(step.group(1)))
-                    yield from self._sets_of_step(step_key)
+                    yield step_key, list(self._sets_of_step(step_key, works))
 
-    def _sets_of_step(self, step: layout.StepKey) -> Iterator[layout.SetKey]:
+    def _sets_of_step(self, step: layout.StepKey,
+                      works: list[dataset.Work] | None = None) -> Iterator[layout.SetKey]:
         step_dir = step.step_dir(self.runs)
-        for work_dir in _subdirs(step_dir):
-            if work_dir.name not in self.works:
-                self._ignore(work_dir, "unknown work (no data/<work>/human/)")
-        for work in self._expected_works(step.run):
+        for name in _subdir_names(step_dir):
+            if name not in self.works:
+                self._ignore(step_dir / name, "unknown work (no data/<work>/human/)")
+        for work in works if works is not None else self._expected_works(step.run):
             for first, last in work.ranges(self.cfg.loss.episodes_per_report):
                 yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
 
@@ -491,9 +522,9 @@ class Daemon:
             raise Abandoned()
 
     # ------------------------------------------------------------ step barrier
-    def check_step(self, step: layout.StepKey) -> None:
+    def check_step(self, step: layout.StepKey, keys: list[layout.SetKey] | None = None) -> None:
         """When every expected set of a step is done: step.reported once, then the optimizer."""
-        keys = list(self._sets_of_step(step))
+        keys = list(self._sets_of_step(step)) if keys is None else keys
         if not keys:
             return
         with self.state.lock:
@@ -728,14 +759,29 @@ def logging_flush() -> None:
     sys.stderr.flush()
 
 
-def _subdirs(path: Path) -> list[Path]:
+def _read_audit_cache(path: Path, keys_digest: str) -> dict[str, list[int]]:
+    """Signatures of files found clean against these answer keys ({} if none)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("keys") != keys_digest:
+        return {}
+    files = data.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def _subdir_names(path: Path) -> list[str]:
     try:
         entries = os.scandir(path)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     with entries:
-        names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-    return [path / name for name in names]
+        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+
+
+def _subdirs(path: Path) -> list[Path]:
+    return [path / name for name in _subdir_names(path)]
 
 
 def _at(ts: float) -> datetime:
