@@ -29,6 +29,7 @@ import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -54,8 +55,9 @@ from skilltrain.watcher import Watcher
 HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
 RESCAN_DEBOUNCE_S = 0.5
 LOOP_TICK_S = 1.0
-RESYNC_JITTER = 0.1
-AUDIT_CACHE = "audit-cache.json"  # +-10%: daemons on one NFS server do not scan in lockstep
+RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
+AUDIT_CACHE = "audit-cache.json"  # in runs/.skilltrain/
+STEP_MARKERS = ".steps"  # runs/<run>/loss/.steps/epoch_EE-step_SS.json
 
 
 class Abandoned(Exception):
@@ -290,7 +292,8 @@ class Daemon:
                 parts = path.relative_to(self.runs).parts
             except ValueError:
                 return
-            if 0 < len(parts) <= 2 and not parts[0].startswith(".") and path.is_dir():
+            if (0 < len(parts) <= 2 and not parts[0].startswith(".")
+                    and parts[-1] != layout.LOSS_DIR and path.is_dir()):
                 self._schedule_scan()  # a run or epoch folder appeared or moved in
             return
         step = layout.StepKey(parsed.run, parsed.epoch, parsed.step)
@@ -531,7 +534,7 @@ class Daemon:
             if not all((r := self.state.sets.get(k.id)) and r.state == SetState.DONE
                        for k in keys):
                 return
-            rec = self.state.steps.get(step.id) or StepRecord()
+            rec = self.state.steps.get(step.id) or self._step_from_marker(step) or StepRecord()
             first_time = rec.reported_at is None
             due = (not rec.optimizer_done
                    and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
@@ -545,16 +548,50 @@ class Daemon:
                 rec.optimizer_attempts += 1
                 self._optimizer_pending.add(step.id)  # decided and claimed under one lock
         if first_time:
+            self._write_step_marker(step)
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys))
         if due:
             self._trigger_optimizer(step)
+
+    def _step_from_marker(self, step: layout.StepKey) -> StepRecord | None:
+        """The step's record from its marker file, when state.json was lost.
+
+        state.json is a cache; the marker beside the reports is what keeps
+        step.reported (and the optimizer) from happening twice after it is
+        deleted or corrupted.
+        """
+        try:
+            data = json.loads(self._step_marker(step).read_text("utf-8"))
+            rec = StepRecord(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+        self.state.steps[step.id] = rec
+        self.state.mark_dirty()
+        return rec
+
+    def _step_marker(self, step: layout.StepKey) -> Path:
+        # Beside the reports folders, not in them: the optimizer reads those.
+        return (self.runs / step.run / layout.LOSS_DIR / STEP_MARKERS
+                / f"epoch_{step.epoch:02d}-step_{step.step:02d}.json")
+
+    def _write_step_marker(self, step: layout.StepKey) -> None:
+        with self.state.lock:
+            rec = self.state.steps.get(step.id)
+            payload = json.dumps(asdict(rec)) if rec else None
+        if payload is not None:
+            try:
+                atomic.write_text(self._step_marker(step), payload + "\n")
+            except OSError as e:
+                self.emit("step.marker_failed", level="warning", step=step.id,
+                          error=e.strerror or type(e).__name__)
 
     def _trigger_optimizer(self, step: layout.StepKey) -> None:
         if not self.cfg.optimizer.command:
             with self.state.lock:
                 self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
                 self._optimizer_pending.discard(step.id)
+            self._write_step_marker(step)
             return
         future = self.optimizer_pool.submit(self._run_optimizer, step)
         self._optimizer_futures = [f for f in self._optimizer_futures if not f.done()] + [future]
@@ -584,6 +621,7 @@ class Daemon:
                 rec.optimizer_done = result.exit_code == 0
                 if not rec.optimizer_done:
                     rec.optimizer_next_at = self.clock() + self.cfg.loss.retry_backoff_s
+            self._write_step_marker(step)
             self.emit("optimizer.finished", level="info" if result.exit_code == 0 else "error",
                       exit_code=result.exit_code, duration_ms=result.duration_ms)
             if result.reason is not None:
@@ -730,13 +768,11 @@ def main(config_path: Path | None, once: bool = False) -> int:
     else:
         daemon.run_forever()
         daemon.shutdown("signal" if daemon.exit_code == ExitCode.OK else "watcher died")
-    code = int(daemon.exit_code)
-    if daemon.abandoned:
-        # Abandoned jobs sit in an LLM call we cannot interrupt; their writes
-        # are atomic, so ending the process now leaves no partial file.
-        logging_flush()
-        os._exit(code)
-    return code
+    # Everything is written and the lock released. Abandoned jobs sit in an
+    # LLM call we cannot interrupt (their writes are atomic, so nothing is
+    # partial), and litellm's exit handlers take seconds: end the process now.
+    logging_flush()
+    os._exit(int(daemon.exit_code))
 
 
 def _install_signal_handlers(daemon: Daemon) -> None:
@@ -756,7 +792,9 @@ def logging_flush() -> None:
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def _read_audit_cache(path: Path, keys_digest: str) -> dict[str, list[int]]:

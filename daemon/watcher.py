@@ -23,6 +23,7 @@ from watchdog.events import (
     DirDeletedEvent,
     DirModifiedEvent,
     DirMovedEvent,
+    FileAttribEvent,
     FileClosedEvent,
     FileCreatedEvent,
     FileDeletedEvent,
@@ -46,8 +47,10 @@ warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWa
 # on a tree of 60,000 folders every scan (which opens each folder) overflowed
 # it; watchdog then re-walks the tree to re-add its watches, which overflows
 # it again, for ever (measured: a core at 100% while idle, events lost).
-EVENT_FILTER = [FileCreatedEvent, FileModifiedEvent, FileClosedEvent, FileMovedEvent,
-                FileDeletedEvent, DirCreatedEvent, DirMovedEvent, DirDeletedEvent]
+# FileAttribEvent: `touch`, and rsync -t / cp -p setting mtimes after the write.
+EVENT_FILTER = [FileCreatedEvent, FileModifiedEvent, FileAttribEvent, FileClosedEvent,
+                FileMovedEvent, FileDeletedEvent, DirCreatedEvent, DirMovedEvent,
+                DirDeletedEvent]
 
 Hint = Callable[[Path], None]
 Report = Callable[..., None]  # report(event_name, **fields)
