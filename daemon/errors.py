@@ -39,8 +39,22 @@ class RefusedError(SkilltrainError):
     """
 
 
+class BadOutputError(RefusedError):
+    """Raised when the model's reply must not become a report: empty, or cut
+    off (finish_reason=length). Nothing is written; unlike bad input, the set
+    is retried, since the next reply may be whole."""
+
+
 class LLMError(SkilltrainError):
-    """Raised when the LLM call failed for good (retries exhausted or not retryable)."""
+    """Raised when the LLM call failed for good (retries exhausted or not retryable).
+
+    `retry_after_s`: what the server last asked for (Retry-After), so a later
+    retry of the whole set does not come sooner.
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class AlreadyRunningError(SkilltrainError):

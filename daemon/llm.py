@@ -156,7 +156,7 @@ def complete(messages: Sequence[Message], settings: LLMConfig, *,
     try:
         response = retrying(attempt)
     except RetryableError as e:
-        raise LLMError(f"gave up after {attempts} attempts: {e}") from None
+        raise LLMError(f"gave up after {attempts} attempts: {e}", e.retry_after_s) from None
     return _completion(response, settings.model, attempts)
 
 
@@ -227,6 +227,9 @@ def _describe(error: BaseException, prompt: str = "") -> str:
                       for i in range(0, len(message) - ECHO_PROBE_CHARS + 1, 5)):
         message = "(message withheld: it quotes the prompt)"
     kind = type(error).__name__
+    if getattr(error, "litellm_response_headers", "") is None and "Connection error" in message:
+        # litellm reports a refused or dropped connection as a 500 it never got.
+        return f"connection to the LLM server failed ({kind}): {message}"
     return f"{kind} (HTTP {status}): {message}" if status else f"{kind}: {message}"
 
 

@@ -39,6 +39,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from skilltrain import atomic, config, dataset, layout, llm, log, notify
 from skilltrain.errors import (
+    BadOutputError,
     ConfigError,
     ExitCode,
     LLMError,
@@ -480,12 +481,19 @@ class Daemon:
                               on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
                               hooks=loss.LossHooks(started=started, retry=retry),
                               complete=self.complete, sleep=self._interruptible_sleep)
+        except BadOutputError as e:
+            # The reply, not the input, was bad: refused, and retried like a failure.
+            self._fail(key, fp, attempts, str(e), event="loss.refused")
+            return
         except RefusedError as e:
             self.emit("loss.refused", level="warning", reason=str(e))
             self.state.update(key.id, SetState.REFUSED, reason=str(e),
                               refused_fingerprint=fp.as_json())
             return
-        except (LLMError, ConfigError) as e:
+        except LLMError as e:
+            self._fail(key, fp, attempts, str(e), retry_after_s=e.retry_after_s)
+            return
+        except ConfigError as e:
             self._fail(key, fp, attempts, str(e))
             return
         except Abandoned:
@@ -505,11 +513,16 @@ class Daemon:
         self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
                           fingerprint=fp.as_json())
 
-    def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str) -> None:
+    def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
+              retry_after_s: float | None = None, event: str = "loss.failed") -> None:
         attempts += 1
         gave_up = attempts >= self.cfg.loss.max_attempts
         next_at = None if gave_up else self._next_retry(attempts - 1)
-        self.emit("loss.failed", level="error", reason=reason, attempts=attempts,
+        if next_at is not None and retry_after_s is not None:
+            # The server's last word on when to come back, capped like in llm.complete.
+            next_at = max(next_at, self.clock() + min(retry_after_s, self.cfg.llm.backoff_max_s))
+        self.emit(event, level="error" if event == "loss.failed" else "warning", reason=reason,
+                  attempts=attempts,
                   next_retry_s=None if next_at is None else round(next_at - self.clock(), 1))
         self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
                           next_retry_at=next_at, fingerprint=fp.as_json())

@@ -22,7 +22,7 @@ from typing import Any
 
 from skilltrain import atomic, craft_metrics, dataset, leakguard, llm
 from skilltrain.config import LLMConfig
-from skilltrain.errors import RefusedError
+from skilltrain.errors import BadOutputError, RefusedError
 from skilltrain.templates import PromptTemplates
 
 TEMPLATE = "loss"
@@ -143,10 +143,10 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     completion = complete(messages, settings, on_retry=hooks.retry, sleep=sleep)
     report = completion.text.strip()
     if not report:
-        raise RefusedError(f"the model returned an empty report for {job.work.name} "
-                           f"ep{job.range_label}")
+        raise BadOutputError(f"the model returned an empty report for {job.work.name} "
+                             f"ep{job.range_label}")
     if completion.finish_reason not in ("stop", "end_turn", None):
-        raise RefusedError(f"the report for {job.work.name} ep{job.range_label} was cut off "
+        raise BadOutputError(f"the report for {job.work.name} ep{job.range_label} was cut off "
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 

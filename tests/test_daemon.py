@@ -678,9 +678,11 @@ def test_sets_follow_work_toml_ranges_and_chunking(
 def test_refused_sets_write_nothing_and_wait_for_new_input(
     tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
-    """A human range with a hole, and a report cut off at the token limit: both refused,
-    nothing written, not retried by later scans, retried once their input changes."""
-    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3, "gamma": 3}, resync_s=1.0)
+    """A human range with a hole (bad input) and a report cut off at the token limit (a bad
+    reply): both refused, nothing written. The bad input is not retried by later scans;
+    the bad reply is, after the set-level backoff, like any failed call."""
+    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3, "gamma": 3}, resync_s=1.0,
+                         retry_backoff_s=0.5)
     (ws.data / "gamma" / "work.toml").write_text("ranges = [[1, 2], [3, 4]]\n")  # no human ep04
     alpha = SetId("r1", 1, 1, "alpha", 1, 3)
     gamma_ok, gamma_hole = SetId("r1", 1, 1, "gamma", 1, 2), SetId("r1", 1, 1, "gamma", 3, 4)
@@ -704,30 +706,26 @@ def test_refused_sets_write_nothing_and_wait_for_new_input(
     d = start(ws)
     wait_until(lambda: ws.has_report(gamma_ok), 20, message="gamma 01-02's report")
     wait_until(lambda: len(ws.events("loss.refused")) == 2, 10, message="two refusals")
-    wait_until(
-        lambda: all(
-            (r := d.daemon.state.get(s.id)) is not None and r.state == "refused"
-            for s in (alpha, gamma_hole)
-        ),
-        5,
-    )
+    assert "cut off" in set_events(ws, "loss.refused", alpha)[0]["reason"]
+    assert "human" in set_events(ws, "loss.refused", gamma_hole)[0]["reason"]
+    # The cut-off reply wrote nothing; the retry after the backoff writes the report.
+    wait_until(lambda: ws.has_report(alpha), 10, message="alpha's report after the retry")
+    assert len(alpha_calls) == 2
+    assert len(set_events(ws, "loss.refused", alpha)) == 1  # one line for the bad reply
+    assert set_events(ws, "loss.refused", alpha)[0]["next_retry_s"] is not None
+    assert set_events(ws, "loss.failed", alpha) == []
+    wait_until(lambda: (r := d.daemon.state.get(gamma_hole.id)) is not None
+               and r.state == "refused", 5)
     first = scans(ws)
     wait_until(lambda: scans(ws) >= first + 1, 10, message="another scan")
 
-    assert sorted(requested_sets(llm_server)) == sorted([alpha.id, gamma_ok.id])
-    assert len(set_events(ws, "loss.refused", alpha)) == 1
-    assert "cut off" in set_events(ws, "loss.refused", alpha)[0]["reason"]
+    # The bad input was asked for never, before or after later scans.
+    assert sorted(requested_sets(llm_server)) == sorted([alpha.id, alpha.id, gamma_ok.id])
     assert len(set_events(ws, "loss.refused", gamma_hole)) == 1
-    assert "human" in set_events(ws, "loss.refused", gamma_hole)[0]["reason"]
-    for s in (alpha, gamma_hole):
-        assert not ws.report(s).exists() and not ws.sidecar(s).exists()
-        assert not ws.archive(s).exists()
-        assert d.daemon.state.get(s.id).state == "refused"
+    assert not ws.report(gamma_hole).exists() and not ws.sidecar(gamma_hole).exists()
+    assert not ws.archive(gamma_hole).exists()
+    assert d.daemon.state.get(gamma_hole.id).state == "refused"
     assert ws.temp_files() == []
-
-    # New model text for alpha: a new chance (the server answers properly now).
-    write_cp(ws.scripts("r1", 1, 1, "alpha") / "ep03.txt", model_episode("r1", 1, 1, "alpha", 3, 1))
-    wait_until(lambda: ws.has_report(alpha), 10, message="alpha's report after the rewrite")
     assert_reports_match_final_content(ws, [alpha, gamma_ok])
     assert llm_server.request_count == 3
 
