@@ -37,6 +37,40 @@ def write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def write_all(files: dict[Path, str]) -> None:
+    """Several files as one: every temp file is written and synced before any
+    is renamed into place, so a full disk leaves none of them, not some."""
+    temps: list[tuple[str, Path]] = []
+    try:
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=f".{path.name}",
+                                       dir=path.parent)
+            temps.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                f.write(text.encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+    except BaseException:
+        for tmp, _ in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+    done = 0
+    try:
+        for tmp, path in temps:  # renames within one folder: they do not run out of space
+            os.replace(tmp, path)
+            done += 1
+    except BaseException:
+        for tmp, _ in temps[done:]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+    for directory in {path.parent for _, path in temps}:
+        fsync_dir(directory)
+
+
 def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:

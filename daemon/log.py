@@ -322,7 +322,9 @@ def configure(
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         # WatchedFileHandler reopens the path when logrotate renames the file.
-        file_handler = _ResilientFileHandler(log_file, encoding="utf-8")
+        # backslashreplace: a folder name that is not UTF-8 must not cost the line.
+        file_handler = _ResilientFileHandler(log_file, encoding="utf-8",
+                                             errors="backslashreplace")
         file_handler.setFormatter(_json_formatter())
         _handlers.append(file_handler)
     for handler in _handlers:

@@ -43,6 +43,9 @@ class Observation:
     problem: str | None  # why the range is not complete; None when it is
     success_marker: bool
     newest_mtime_ns: int
+    # The problem will not go away by the writer finishing: a symlink out of
+    # runs/, a folder where a file should be, an unreadable file.
+    unusable: bool = False
 
     @property
     def complete(self) -> bool:
@@ -61,6 +64,7 @@ def observe(key: SetKey, runs: Path) -> Observation:
     scripts = f"{runs}/{key.run}/epoch_{key.epoch:02d}/step_{key.step:02d}/{key.work}/scripts"
     sigs: list[tuple[int, FileSig]] = []
     problem = None
+    unusable = False
     newest = 0
     for n in range(key.first, key.last + 1):
         name = dataset.episode_name(n)
@@ -72,16 +76,19 @@ def observe(key: SetKey, runs: Path) -> Observation:
         except (RefusedError, OSError, RuntimeError) as e:
             problem = problem or (str(e) if isinstance(e, RefusedError)
                                   else f"{name} cannot be read ({type(e).__name__})")
+            unusable = True
             continue
         if not stat.S_ISREG(st.st_mode):
             problem = problem or f"{name} is not a regular file"
+            unusable = True
         elif st.st_size == 0:
             problem = problem or f"{name} is empty"
         else:
             sigs.append((n, FileSig.of(st)))
             newest = max(newest, st.st_mtime_ns)
     return Observation(key, tuple(sigs) if problem is None else (), problem,
-                       _marks_finished(f"{scripts}/{SUCCESS_MARKER}", newest), newest)
+                       _marks_finished(f"{scripts}/{SUCCESS_MARKER}", newest), newest,
+                       unusable)
 
 
 def _marks_finished(marker: str, newest_episode_mtime_ns: int) -> bool:

@@ -136,6 +136,7 @@ class Daemon:
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
+        self._check_human_ranges()
         self.state.load()
         self.scheduler.start()
         # The first scan runs alone: watchdog's initial walk (one watch per
@@ -276,11 +277,23 @@ class Daemon:
                 self._ignore(run_toml, f"lists unknown work {name!r}")
         return [self.works[n] for n in names if n in self.works]
 
-    def _ignore(self, path: Path, reason: str) -> None:
+    def _check_human_ranges(self) -> None:
+        """A range with a hole in the answer key can never be reported: say so at start."""
+        for work in self.works.values():
+            present = set(work.human_episodes())
+            for first, last in work.ranges(self.cfg.loss.episodes_per_report):
+                missing = [n for n in range(first, last + 1) if n not in present]
+                if missing:
+                    names = ", ".join(dataset.episode_name(n) for n in missing)
+                    self._ignore(work.human_dir, f"range {dataset.format_range(first, last)} "
+                                 f"can never be reported: human {names} missing",
+                                 event="work.range_incomplete")
+
+    def _ignore(self, path: Path, reason: str, event: str = "set.ignored") -> None:
         """Log a path we cannot use once, not at every scan."""
-        if str(path) not in self._ignored:
-            self._ignored.add(str(path))
-            self.emit("set.ignored", level="warning", path=str(path), reason=reason)
+        if f"{path}: {reason}" not in self._ignored:
+            self._ignored.add(f"{path}: {reason}")
+            self.emit(event, level="warning", path=str(path), reason=reason)
 
     # ------------------------------------------------------------------ hints
     def hint(self, path: Path) -> None:
@@ -339,6 +352,10 @@ class Daemon:
         obs = observe(key, self.runs)
         rec = self.state.get(key.id)
         if not obs.complete:
+            if obs.unusable and obs.problem:
+                # Not a range still being written but a file that will never
+                # do (a symlink out of runs/, a folder named epNN.txt): say so once.
+                self._ignore(key.scripts_dir(self.runs), obs.problem, event="set.unusable")
             self.state.update(key.id, SetState.WAITING, reason=obs.problem)
             return
         work = self.works[key.work]
@@ -495,6 +512,12 @@ class Daemon:
             return
         except ConfigError as e:
             self._fail(key, fp, attempts, str(e))
+            return
+        except OSError as e:
+            # A full disk, a permission: the job wrote nothing (all or none).
+            where = f" {e.filename}" if e.filename else ""
+            self._fail(key, fp, attempts,
+                       f"cannot write the report{where}: {e.strerror or type(e).__name__}")
             return
         except Abandoned:
             self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
@@ -681,7 +704,16 @@ class Daemon:
         now = time.monotonic()
         if now < self._next_flush_at:
             return
-        if self.state.flush(pid=os.getpid()):
+        try:
+            written = self.state.flush(pid=os.getpid())
+        except OSError as e:
+            # A full disk must not take the daemon down; the state is a cache.
+            self.state.mark_dirty()
+            self._next_flush_at = now + 10 * LOOP_TICK_S
+            self.emit("state.write_failed", level="warning", path=str(self.state.path),
+                      error=e.strerror or type(e).__name__)
+            return
+        if written:
             cost = time.monotonic() - now
             self._next_flush_at = time.monotonic() + max(0.0, 10 * cost - LOOP_TICK_S)
 
@@ -752,7 +784,11 @@ class Daemon:
         for run, spend in sorted(self.state.spend.items()):
             self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
                       tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6))
-        self.state.flush(force=True, pid=None)
+        try:
+            self.state.flush(force=True, pid=None)
+        except OSError as e:
+            self.emit("state.write_failed", level="warning", path=str(self.state.path),
+                      error=e.strerror or type(e).__name__)
         counts = self.state.counts()
         self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",
                   exit_code=int(self.exit_code), done=counts.get("done", 0),

@@ -127,7 +127,8 @@ class Watcher:
     def _fallback(self, reason: str) -> None:
         with self._swap:
             self._stop_observer()
-            self._report("watch.fallback", reason=reason, sysctl=SYSCTL, observer="polling",
+            self._report("watch.fallback", level="warning", reason=reason, sysctl=SYSCTL,
+                         observer="polling",
                          hint=f"raise {SYSCTL} (sysctl -w {SYSCTL}=524288) to use inotify")
             self._start(polling=True)
 

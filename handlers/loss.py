@@ -31,6 +31,9 @@ SIDECAR_SCHEMA = 1
 # larger than window * 16 bytes cannot fit, and is refused from its size
 # alone, before a 50 MB file is read into memory.
 MAX_BYTES_PER_TOKEN = 16
+# When litellm does not know the model's window: no range over 8 MB (about
+# 2 million tokens, beyond any model's window today).
+UNKNOWN_WINDOW_MAX_BYTES = 8_000_000
 # Tokens kept free for the report when the model's window is checked.
 OUTPUT_RESERVE_TOKENS = 4_096
 
@@ -112,7 +115,8 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     hooks = hooks or LossHooks()
     started_at, t0 = now(), time.monotonic()
     window = llm.max_input_tokens(settings.model)
-    max_bytes = window * MAX_BYTES_PER_TOKEN if window else None
+    # A model litellm knows no window for (a local server's) still gets a bound.
+    max_bytes = window * MAX_BYTES_PER_TOKEN if window else UNKNOWN_WINDOW_MAX_BYTES
 
     human = job.work.read_human(job.first, job.last, max_bytes=max_bytes)
     model = dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
@@ -183,11 +187,11 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         "started_at": started_at.isoformat(),
         "finished_at": now().isoformat(),
     }
-    # The sidecar goes last: its presence and hashes are what mark the report
-    # up to date, so a crash between the writes leaves a set that is redone.
-    atomic.write_text(job.archive_path, archive)
-    atomic.write_text(job.report_path, report_text)
-    atomic.write_text(job.sidecar_path, json.dumps(sidecar, indent=2) + "\n")
+    # All three or none (a full disk must not leave an archive without its
+    # report). The sidecar is renamed last: its presence and hashes mark the
+    # report up to date, so a crash between the renames leaves a set redone.
+    atomic.write_all({job.archive_path: archive, job.report_path: report_text,
+                      job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"})
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
                       hashes=hashes, completion=completion, prompt_chars=len(prompt),
                       prompt_tokens=prompt_tokens, leaks_redacted=leaks,
