@@ -68,7 +68,12 @@ class SetKey:
         object.__setattr__(self, "id", f"{step_key.id}/{self.work}/{range_label}")
 
     def scripts_dir(self, runs: Path) -> Path:
-        return self.step_key.step_dir(runs) / self.work / SCRIPTS
+        return Path(self.scripts_folder(runs))
+
+    def scripts_folder(self, runs: Path) -> str:
+        """scripts_dir as a plain string, for the scan's hot path."""
+        return (f"{runs}/{self.run}/epoch_{self.epoch:02d}/step_{self.step:02d}/"
+                f"{self.work}/{SCRIPTS}")
 
     def report_path(self, runs: Path) -> Path:
         return Path(self.report_file(runs))

@@ -61,7 +61,7 @@ class Observation:
 def observe(key: SetKey, runs: Path) -> Observation:
     # Plain strings and os.lstat: this runs for every set at every scan, and
     # pathlib's joins were a third of a 20,000-set scan's time.
-    scripts = f"{runs}/{key.run}/epoch_{key.epoch:02d}/step_{key.step:02d}/{key.work}/scripts"
+    scripts = key.scripts_folder(runs)
     sigs: list[tuple[int, FileSig]] = []
     problem = None
     unusable = False
