@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--event", default=None, help="only events with this name or prefix")
     p.set_defaults(func=_tail)
 
+    p = sub.add_parser("progress", help="the loss curve: craft distance per reported step")
+    _config_arg(p)
+    p.add_argument("run", nargs="?", default=None, metavar="RUN", help="only this run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE",
+                   help="also write the curve to FILE (.svg or .png)")
+    p.set_defaults(func=_progress)
+
     p = sub.add_parser("audit", help="scan runs/ for answer-key leaks; exit 1 on a leak")
     _config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -96,6 +104,12 @@ def _tail(args: argparse.Namespace) -> int:
     if cfg.log.file is None:
         raise SkilltrainError("[log] file is not set: there is no JSON log to tail")
     return tail.main(cfg.log.file, follow=args.follow, run=args.run, event=args.event)
+
+
+def _progress(args: argparse.Namespace) -> int:
+    from skilltrain import progress
+
+    return progress.main(args.config, args.run, as_json=args.json, plot=args.plot)
 
 
 def _audit(args: argparse.Namespace) -> int:

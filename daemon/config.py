@@ -15,7 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationError,
+    field_validator,
+)
 
 from skilltrain.errors import ConfigError
 
@@ -82,6 +90,28 @@ class DaemonConfig(_Section):
     shutdown_timeout_s: float = Field(60.0, ge=0)
 
 
+class MetricsConfig(_Section):
+    # "host:port" ("127.0.0.1:9464", "[::1]:9464"); unset: no metrics endpoint.
+    listen: str | None = None
+
+    @field_validator("listen")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_listen(value)
+        return value
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "127.0.0.1:9464"; ValueError says what is wrong."""
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be host:port with a port from 1 to 65535, "
+                         "like \"127.0.0.1:9464\" or \"[::1]:9464\"")
+    return host, int(port)
+
+
 class Config(_Section):
     paths: PathsConfig = PathsConfig()
     llm: LLMConfig = LLMConfig()
@@ -91,6 +121,7 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     integrity: IntegrityConfig = IntegrityConfig()
     daemon: DaemonConfig = DaemonConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     _source: Path | None = PrivateAttr(default=None)
 

@@ -4,6 +4,7 @@
     runs/<run>/loss/epoch_EE/step_SS/<work>_epFF-LL.md         report
     runs/<run>/loss/epoch_EE/step_SS/<work>_epFF-LL_prompt.md  redacted prompt
     runs/<run>/loss/epoch_EE/step_SS/<work>_epFF-LL.json       sidecar
+    runs/<run>/loss/.steps/epoch_EE-step_SS.json               step reported / optimizer ran
     runs/.skilltrain/                                          daemon state, lock
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ SCRIPTS = "scripts"
 SUCCESS_MARKER = "_SUCCESS"
 LOSS_DIR = "loss"
 STATE_DIR = ".skilltrain"
+STEP_MARKERS = ".steps"  # in runs/<run>/loss/
 
 
 @dataclass(frozen=True, order=True)

@@ -65,6 +65,9 @@ class Completion:
     tokens_cached: int
     cost_usd: float | None
     attempts: int
+    # Prompt tokens written to the provider's cache (Anthropic's
+    # cache_creation_input_tokens): billed above the input price.
+    tokens_cache_write: int = 0
 
 
 class RetryableError(Exception):
@@ -254,6 +257,8 @@ def _completion(response: Any, model: str, attempts: int) -> Completion:
     details = getattr(usage, "prompt_tokens_details", None)
     cached = getattr(details, "cached_tokens", None) or 0
     cached = cached or getattr(usage, "cache_read_input_tokens", 0) or 0
+    written = (getattr(details, "cache_write_tokens", None)
+               or getattr(usage, "cache_creation_input_tokens", 0) or 0)
     return Completion(
         text=choice.message.content or "",
         finish_reason=choice.finish_reason,
@@ -262,6 +267,7 @@ def _completion(response: Any, model: str, attempts: int) -> Completion:
         tokens_cached=int(cached),
         cost_usd=_cost(response, model),
         attempts=attempts,
+        tokens_cache_write=int(written),
     )
 
 

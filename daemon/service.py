@@ -37,7 +37,7 @@ from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from skilltrain import atomic, config, dataset, layout, llm, log, notify
+from skilltrain import atomic, config, dataset, layout, llm, log, notify, progress
 from skilltrain.errors import (
     BadOutputError,
     ConfigError,
@@ -48,6 +48,7 @@ from skilltrain.errors import (
 )
 from skilltrain.handlers import loss, optimizer
 from skilltrain.lock import RunsLock
+from skilltrain.metrics import Metrics
 from skilltrain.observe import Fingerprint, HumanDigests, observe, report_is_current, sigs_digest
 from skilltrain.state import SetState, StateStore, StepRecord
 from skilltrain.templates import PromptTemplates
@@ -58,7 +59,7 @@ RESCAN_DEBOUNCE_S = 0.5
 LOOP_TICK_S = 1.0
 RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
 AUDIT_CACHE = "audit-cache.json"  # in runs/.skilltrain/
-STEP_MARKERS = ".steps"  # runs/<run>/loss/.steps/epoch_EE-step_SS.json
+STEP_MARKERS = layout.STEP_MARKERS  # runs/<run>/loss/.steps/epoch_EE-step_SS.json
 
 
 class Abandoned(Exception):
@@ -78,7 +79,8 @@ class Daemon:
         self.log = log.get_logger("skilltrain.daemon")
         self._notify_warned = False
         self.notifier = notifier or notify.Notifier.from_env(on_error=self._notify_failed)
-        self.complete = complete
+        self.metrics = Metrics(lambda: self.state.counts(), [s.value for s in SetState])
+        self.complete = self.metrics.timed(complete)
         self.clock = clock
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
         self.abort_event = threading.Event()  # abandon jobs waiting to retry
@@ -112,6 +114,7 @@ class Daemon:
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         getattr(self.log, level)(event, **fields)
+        self.metrics.observe(event, fields)
 
     def _notify_failed(self, field: str, error: BaseException) -> None:
         if not self._notify_warned:
@@ -138,6 +141,8 @@ class Daemon:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
         self._check_human_ranges()
         self.state.load()
+        if self.cfg.metrics.listen and not self.once:
+            self.metrics.serve(self.cfg.metrics.listen)  # a bad address stops us here (exit 2)
         self.scheduler.start()
         # The first scan runs alone: watchdog's initial walk (one watch per
         # folder) and litellm's import would triple its time on a large tree.
@@ -524,15 +529,17 @@ class Daemon:
             return
         c = result.completion
         spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
-                                     c.cost_usd)
+                                     c.cost_usd, tokens_cache_write=c.tokens_cache_write)
         # Logged before the set turns DONE: DONE may complete the step, and
         # step.reported must come after the step's last loss.completed.
         self.emit("loss.completed", report=str(result.report_path), tokens_in=c.tokens_in,
                   tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
                   duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
-                  attempts=c.attempts)
+                  attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
+                  craft_distance=result.sidecar.get("craft_distance"))
         self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
-                  cost_usd=round(spend.cost_usd, 6))
+                  cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
+                  tokens_cache_write=spend.tokens_cache_write)
         self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
                           fingerprint=fp.as_json())
 
@@ -586,7 +593,8 @@ class Daemon:
         if first_time:
             self._write_step_marker(step)
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
-                      reports_dir=str(step.reports_dir(self.runs)), sets=len(keys))
+                      reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
+                      **progress.step_fields(self.runs, step))
         if due:
             self._trigger_optimizer(step)
 
@@ -783,7 +791,9 @@ class Daemon:
         abandoned = sum(1 for f in futures if not f.done())
         for run, spend in sorted(self.state.spend.items()):
             self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
-                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6))
+                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6),
+                      tokens_cached=spend.tokens_cached,
+                      tokens_cache_write=spend.tokens_cache_write)
         try:
             self.state.flush(force=True, pid=None)
         except OSError as e:
@@ -793,6 +803,7 @@ class Daemon:
         self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",
                   exit_code=int(self.exit_code), done=counts.get("done", 0),
                   failed=counts.get("failed", 0), abandoned=abandoned)
+        self.metrics.close()
         self._run_lock.release()
         self.abandoned = abandoned
 

@@ -63,6 +63,7 @@ class RunSpend:
     tokens_cached: int = 0
     cost_usd: float = 0.0
     reports: int = 0
+    tokens_cache_write: int = 0
 
 
 class StateStore:
@@ -128,12 +129,13 @@ class StateStore:
             return self.steps.setdefault(step_id, StepRecord())
 
     def add_spend(self, run: str, tokens_in: int, tokens_out: int, tokens_cached: int,
-                  cost_usd: float | None) -> RunSpend:
+                  cost_usd: float | None, tokens_cache_write: int = 0) -> RunSpend:
         with self.lock:
             spend = self.spend.setdefault(run, RunSpend())
             spend.tokens_in += tokens_in
             spend.tokens_out += tokens_out
             spend.tokens_cached += tokens_cached
+            spend.tokens_cache_write += tokens_cache_write
             spend.cost_usd += cost_usd or 0.0
             spend.reports += 1
             self._dirty = True

@@ -3,7 +3,7 @@
   09:12:06 W loss.retry          r7/e01/s02 alice r01-03   attempt=1 wait=4.0s error="429"
   09:12:07   loss.completed      r7/e01/s02 alice r01-03   in=18211 out=1034 cached=0 $0.0123 41.2s
   09:12:09 E loss.failed         r7/e01/s02 bob r01-03     reason=timeout attempts=3 no retry
-  09:12:10   step.reported       r7/e01/s02                sets=3 reports=runs/r7/loss/e01/s02
+  09:12:10   step.reported       r7/e01/s02                sets=3 distance=0.3120 change=-0.0210
   == r7/e01/s02  done 1  running 0  queued 0  failed 1  | r7  in=18211 out=1034 cached=0 $0.0123
 
 The level mark is blank for info, `W` for warning, `E` for error and above, `d`
@@ -130,7 +130,7 @@ def _rest(rec: Record, *skip: str) -> list[str]:
 def _tokens(rec: Record) -> str:
     return " ".join(
         f"{k}={rec[f'tokens_{k}']}"
-        for k in ("in", "out", "cached")
+        for k in ("in", "out", "cached", "cache_write")
         if rec.get(f"tokens_{k}") is not None
     )
 
@@ -164,7 +164,12 @@ def _f_loss_retry(rec: Record) -> list[str]:
 
 
 def _f_step_reported(rec: Record) -> list[str]:
-    return [f"sets={rec.get('sets', '?')}", _kv("reports", rec.get("reports_dir", "?"))]
+    distance, change = rec.get("craft_distance"), rec.get("craft_distance_change")
+    parts = [f"sets={rec.get('sets', '?')}"]
+    if isinstance(distance, int | float):
+        parts.append(f"distance={distance:.4f}")
+        parts.append(f"change={change:+.4f}" if isinstance(change, int | float) else "change=-")
+    return [*parts, _kv("reports", rec.get("reports_dir", "?"))]
 
 
 def _f_optimizer_started(rec: Record) -> list[str]:

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from skilltrain import atomic, craft_metrics, dataset, leakguard, llm
+from skilltrain import atomic, craft_distance, craft_metrics, dataset, leakguard, llm
 from skilltrain.config import LLMConfig
 from skilltrain.errors import BadOutputError, RefusedError
 from skilltrain.templates import PromptTemplates
@@ -178,9 +178,12 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         "tokens_in": completion.tokens_in,
         "tokens_out": completion.tokens_out,
         "tokens_cached": completion.tokens_cached,
+        "tokens_cache_write": completion.tokens_cache_write,
         "cost_usd": completion.cost_usd,
         "attempts": completion.attempts,
         "leaks_redacted": leaks,
+        # A progress indicator beside the report, never part of the training signal.
+        **craft_distance.of_episodes(human, model, human_digest=hashes.human).sidecar_fields(),
         "prompt_chars": len(prompt),
         "prompt_tokens": prompt_tokens,
         "duration_ms": duration_ms,

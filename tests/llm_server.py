@@ -101,6 +101,7 @@ class Reply:
     prompt_tokens: int | None = None  # None: computed from the request
     completion_tokens: int | None = None  # None: computed from content
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # sent as Anthropic's usage.cache_creation_input_tokens
     retry_after: float | None = None
     body: dict[str, Any] | None = None
     raw: bytes = b""
@@ -114,6 +115,7 @@ class Reply:
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
         cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> Reply:
         """A valid chat.completion. Unset token counts are derived from the input:
         prompt = chars of all message contents // 4, completion = len(content) // 4,
@@ -125,6 +127,7 @@ class Reply:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=cached_tokens,
+            cache_write_tokens=cache_write_tokens,
         )
 
     @classmethod
@@ -178,6 +181,14 @@ def completion_body(reply: Reply, request: Request) -> dict[str, Any]:
     completion = reply.completion_tokens
     if completion is None:
         completion = max(1, len(reply.content) // 4)
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
+    }
+    if reply.cache_write_tokens:
+        usage["cache_creation_input_tokens"] = reply.cache_write_tokens
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion",
@@ -191,12 +202,7 @@ def completion_body(reply: Reply, request: Request) -> dict[str, Any]:
                 "logprobs": None,
             }
         ],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
-        },
+        "usage": usage,
     }
 
 

@@ -111,7 +111,7 @@ def test_unknown_section_suggests_the_close_one(tmp_path: Path) -> None:
 
     assert message == (
         "unknown key llms (did you mean 'llm'?); "
-        "allowed: paths, llm, loss, watch, optimizer, log, integrity, daemon"
+        "allowed: paths, llm, loss, watch, optimizer, log, integrity, daemon, metrics"
     )
 
 

@@ -1,0 +1,271 @@
+"""`skilltrain progress`: the loss curve of each run, one row per reported step.
+
+    run  epoch step  sets  craft distance  change   tokens in  out  cost USD
+    r7   0     0     4     0.4120          -        ...
+    r7   0     1     4     0.3870          -0.0250  ...
+
+A step is reported when its marker (runs/<run>/loss/.steps/epoch_EE-step_SS.json)
+exists; its numbers are those of the sidecars beside its reports, so what
+this prints is what is on disk now, whether the daemon runs or not (state
+moves to a database later; the sidecars stay the record of each report).
+The step.reported event takes its craft_distance fields from here too.
+
+Fast by construction: no litellm, no scan of the writer's folders; the
+plotting libraries are imported for the chart only (plotext, terminal) and
+for --plot only (matplotlib, Agg backend).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from skilltrain import layout
+from skilltrain.errors import ConfigError
+
+_MARKER_RE = re.compile(r"epoch_(\d+)-step_(\d+)\.json")
+PLOT_SUFFIXES = (".svg", ".png")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One reported step of a run, summed over its sidecars."""
+
+    run: str
+    epoch: int
+    step: int
+    sets: int  # sidecars found beside the step's reports
+    craft_distance: float | None  # mean over the sets that have one
+    craft_distance_change: float | None  # against the run's previous reported step
+    tokens_in: int
+    tokens_out: int
+    tokens_cached: int
+    tokens_cache_write: int
+    cost_usd: float | None  # None: no set of the step could be priced
+
+
+# ------------------------------------------------------------------ reading
+
+
+def reported_steps(runs: Path, run: str) -> list[tuple[int, int]]:
+    """(epoch, step) of every reported step of the run, in order."""
+    markers = runs / run / layout.LOSS_DIR / layout.STEP_MARKERS
+    try:
+        names = os.listdir(markers)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    found = []
+    for name in names:
+        match = _MARKER_RE.fullmatch(name)
+        if match and _is_reported(markers / name):
+            found.append((int(match.group(1)), int(match.group(2))))
+    return sorted(found)
+
+
+def _is_reported(marker: Path) -> bool:
+    data = _read_json(marker)
+    return data is not None and data.get("reported_at") is not None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def step_sidecars(reports_dir: Path) -> list[dict[str, Any]]:
+    """The sidecars of one step's reports (each report's `<stem>.json`)."""
+    try:
+        entries = list(os.scandir(reports_dir))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    names = {e.name for e in entries}
+    out = []
+    for name in sorted(names):
+        # A sidecar sits beside its report: `x.json` next to `x.md`.
+        if name.endswith(".json") and f"{name[:-5]}.md" in names:
+            data = _read_json(reports_dir / name)
+            if data is not None and "schema" in data:
+                out.append(data)
+    return out
+
+
+def summarize(run: str, epoch: int, step: int, sidecars: Sequence[dict[str, Any]],
+              previous: float | None) -> StepRow:
+    distances = _numbers(sidecars, "craft_distance")
+    costs = _numbers(sidecars, "cost_usd")
+    mean = math.fsum(distances) / len(distances) if distances else None
+    change = mean - previous if mean is not None and previous is not None else None
+    return StepRow(
+        run=run, epoch=epoch, step=step, sets=len(sidecars),
+        craft_distance=_round(mean), craft_distance_change=_round(change),
+        tokens_in=_sum(sidecars, "tokens_in"), tokens_out=_sum(sidecars, "tokens_out"),
+        tokens_cached=_sum(sidecars, "tokens_cached"),
+        tokens_cache_write=_sum(sidecars, "tokens_cache_write"),
+        cost_usd=_round(math.fsum(costs)) if costs else None,
+    )
+
+
+def run_rows(runs: Path, run: str) -> list[StepRow]:
+    """Every reported step of one run, with the change of each against the one before."""
+    rows: list[StepRow] = []
+    previous: float | None = None
+    for epoch, step in reported_steps(runs, run):
+        reports = layout.StepKey(run, epoch, step).reports_dir(runs)
+        row = summarize(run, epoch, step, step_sidecars(reports), previous)
+        rows.append(row)
+        previous = row.craft_distance
+    return rows
+
+
+def collect(runs: Path, run: str | None = None) -> list[StepRow]:
+    """The rows of one run, or of every run under runs/ (sorted by name)."""
+    names = [run] if run is not None else _run_names(runs)
+    return [row for name in names for row in run_rows(runs, name)]
+
+
+def _run_names(runs: Path) -> list[str]:
+    try:
+        entries = list(os.scandir(runs))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    return sorted(e.name for e in entries
+                  if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+
+
+def step_fields(runs: Path, step: layout.StepKey) -> dict[str, Any]:
+    """`craft_distance` and `craft_distance_change` for the step.reported event."""
+    earlier = [s for s in reported_steps(runs, step.run) if s < (step.epoch, step.step)]
+    previous = None
+    if earlier:
+        before = layout.StepKey(step.run, *earlier[-1])
+        previous = summarize(step.run, before.epoch, before.step,
+                             step_sidecars(before.reports_dir(runs)), None).craft_distance
+    row = summarize(step.run, step.epoch, step.step,
+                    step_sidecars(step.reports_dir(runs)), previous)
+    return {"craft_distance": row.craft_distance,
+            "craft_distance_change": row.craft_distance_change}
+
+
+def _numbers(sidecars: Sequence[dict[str, Any]], key: str) -> list[float]:
+    """The finite numbers the sidecars hold under `key` (null, absent or junk: skipped)."""
+    values = (s.get(key) for s in sidecars)
+    return [float(v) for v in values
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def _sum(sidecars: Sequence[dict[str, Any]], key: str) -> int:
+    return sum(v for s in sidecars if isinstance(v := s.get(key), int) and not isinstance(v, bool))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+# ------------------------------------------------------------------ output
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_table(rows: Sequence[StepRow], out: TextIO) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=out, highlight=False, width=None if out.isatty() else 160)
+    table = Table(title="reported steps", title_justify="left")
+    for column in ("run", "epoch", "step", "sets", "craft distance", "change",
+                   "tokens in", "out", "cached", "cache write", "cost USD"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for r in rows:
+        table.add_row(r.run, str(r.epoch), str(r.step), str(r.sets),
+                      _fmt(r.craft_distance, ".4f"), _fmt(r.craft_distance_change, "+.4f"),
+                      f"{r.tokens_in:,}", f"{r.tokens_out:,}", f"{r.tokens_cached:,}",
+                      f"{r.tokens_cache_write:,}", _fmt(r.cost_usd, ".4f"))
+    console.print(table)
+
+
+def _curves(rows: Sequence[StepRow]) -> Iterator[tuple[str, list[int], list[float]]]:
+    """Per run: reported-step number (1, 2, ...) and craft distance, where known."""
+    for run in sorted({r.run for r in rows}):
+        own = [r for r in rows if r.run == run]
+        points = [(i, r.craft_distance) for i, r in enumerate(own, 1)
+                  if r.craft_distance is not None]
+        if points:
+            yield run, [p[0] for p in points], [p[1] for p in points]
+
+
+def render_chart(rows: Sequence[StepRow], out: TextIO) -> None:
+    """The curve in the terminal (plotext), one line per run."""
+    curves = list(_curves(rows))
+    if not curves:
+        return
+    import plotext
+
+    fig = plotext.figure
+    fig.clear()
+    width = min(100, shutil.get_terminal_size((100, 24)).columns)
+    fig.plot_size(width, 16)
+    fig.theme("default" if out.isatty() else "colorless")  # colours tell the runs apart
+    fig.title("craft distance per reported step (lower is closer to the human craft)")
+    for run, xs, ys in curves:
+        fig.draw(fig.signal(xs, ys, marker="braille").label(run).lines())
+    fig.label("reported step", "x")
+    text = str(fig.build())
+    out.write((text if out.isatty() else plotext.uncolorize(text)).rstrip() + "\n")
+
+
+def write_plot(rows: Sequence[StepRow], path: Path) -> None:
+    """The curve as an SVG or PNG file (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for run, xs, ys in _curves(rows):
+        ax.plot(xs, ys, marker="o", markersize=3, label=run)
+    ax.set_xlabel("reported step")
+    ax.set_ylabel("craft distance (0 = the human craft)")
+    ax.set_title("skilltrain: craft distance per reported step")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.savefig(path, format=path.suffix[1:].lower())
+
+
+def main(config_path: Path | None, run: str | None, as_json: bool, plot: Path | None,
+         out: TextIO = sys.stdout) -> int:
+    from skilltrain import config
+
+    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise ConfigError(f"--plot {plot}: the file name must end in .svg or .png")
+    cfg = config.load(config_path)
+    rows = collect(cfg.paths.runs, run)
+    if plot is not None:
+        write_plot(rows, plot)
+    if as_json:
+        json.dump([asdict(r) for r in rows], out, indent=2)
+        out.write("\n")
+        return 0
+    if not rows:
+        where = f"run {run!r}" if run else str(cfg.paths.runs)
+        out.write(f"no reported step yet in {where}\n")
+        return 0
+    render_table(rows, out)
+    render_chart(rows, out)
+    if plot is not None:
+        out.write(f"wrote {plot}\n")
+    return 0

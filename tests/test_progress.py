@@ -1,0 +1,251 @@
+"""Progress you can see: the craft distance, `skilltrain progress`, /metrics.
+
+The distance is checked as a number (0 at a match, bounded shares, growing
+with a gap) and end to end: a real daemon reports two steps of one run over
+the loopback LLM server, the second written closer to the human craft, and
+the events, sidecars, `progress --json` and a real HTTP scrape of /metrics
+must all tell the same story.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skilltrain import craft_distance, craft_metrics
+from tests.daemon_helpers import (
+    InProcessDaemon,
+    SetId,
+    Workspace,
+    build_workspace,
+    litellm_warm_and_frozen,
+    mark_success,
+    release_llm_clients,
+    run_cli,
+    run_once_in_process,
+    screenplay,
+    wait_until,
+)
+from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
+
+pytestmark = [
+    pytest.mark.filterwarnings(
+        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
+        "pytest.PytestUnraisableExceptionWarning"
+    ),
+    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _litellm_imported() -> Iterator[None]:
+    with litellm_warm_and_frozen():
+        yield
+    release_llm_clients()
+
+
+# ------------------------------------------------------------------- the number
+
+
+def _episodes(seed: str, scenes: int, lines: int, *, model: bool) -> dict[int, str]:
+    return {n: screenplay(f"{seed}/{n}", scenes, lines, model=model) for n in (1, 2, 3)}
+
+
+HUMAN = _episodes("human", 3, 6, model=False)
+
+
+def test_distance_is_zero_at_a_match_and_grows_with_every_gap() -> None:
+    assert craft_distance.of_episodes(HUMAN, HUMAN).value == 0.0
+    human = craft_metrics.measure([craft_metrics.parse_screenplay(t) for t in HUMAN.values()])
+    assert human.scene_words_mean and human.speech_words_mean
+    last = 0.0
+    for factor in (1.1, 1.5, 2, 4, 16, 1000):
+        longer = dataclasses.replace(human, scene_words_mean=human.scene_words_mean * factor)
+        d = craft_distance.between(human, longer)
+        assert last < d.value < craft_distance.SHARES["scene_words_mean"]  # bounded share
+        assert d.value == d.parts["scene_words_mean"]
+        # Too long weighs what too short weighs by the same factor (floor aside).
+        shorter = dataclasses.replace(human, speech_words_mean=human.speech_words_mean / factor)
+        assert craft_distance.between(human, shorter).value > 0
+        last = d.value
+    both = dataclasses.replace(longer, speech_words_mean=human.speech_words_mean * 2)
+    assert craft_distance.between(human, both).value > last  # a second gap adds to the first
+    assert set(both.__dict__) >= set(craft_distance.SHARES)
+    assert abs(sum(craft_distance.SHARES.values()) - 1) < 1e-12
+    far = craft_distance.of_episodes(HUMAN, _episodes("m", 1, 30, model=True))
+    assert abs(sum(far.parts.values()) - far.value) < 1e-12
+    assert all(0 <= far.parts[k] < craft_distance.SHARES[k] for k in far.parts)
+    assert 0 < far.value < 1
+
+
+def test_distance_is_scale_free_and_saturates_per_statistic() -> None:
+    assert craft_distance.saturate(0) == 0
+    assert craft_distance.saturate(craft_distance.HALF_AT) == pytest.approx(0.5)
+    assert craft_distance.saturate(100) < 1
+    # Both sides twice as long: the gaps keep their proportions, so does the distance.
+    model = _episodes("m", 1, 12, model=True)
+    twice_human = {n: text + "\n\n" + text for n, text in HUMAN.items()}
+    twice_model = {n: text + "\n\n" + text for n, text in model.items()}
+    once = craft_distance.of_episodes(HUMAN, model).value
+    twice = craft_distance.of_episodes(twice_human, twice_model).value
+    assert twice == pytest.approx(once, abs=0.02)
+    assert once > 0.1
+
+
+def test_a_statistic_one_side_lacks_counts_its_full_share() -> None:
+    # Prose without a single cue: no speeches, so no words per speech at all.
+    prose = {n: "INT. ROOM - DAY\n\nRain on the glass. Nobody speaks.\n" for n in HUMAN}
+    d = craft_distance.of_episodes(HUMAN, prose)
+    assert d.parts["speech_words_mean"] == pytest.approx(craft_distance.SHARES["speech_words_mean"])
+    assert d.value < 1
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _write_step(ws: Workspace, run: str, step: int, scenes: int, lines: int) -> list[SetId]:
+    """Episodes whose craft proportions are set by scenes and lines per scene."""
+    for work, count in ws.works.items():
+        scripts = ws.scripts(run, 0, step, work)
+        scripts.mkdir(parents=True, exist_ok=True)
+        for ep in range(1, count + 1):
+            text = screenplay(f"model/{run}/{step}/{work}/{ep}", scenes, lines, model=True)
+            (scripts / f"ep{ep:02d}.txt").write_text(text, encoding="utf-8")
+        mark_success(scripts)
+    return ws.sets_of_step(run, 0, step)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(skilltrain_\w+(?:\{[^}]*\})?) (\S+)", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 6})
+    llm_server.default = lambda request: Reply.ok(DEFAULT_REPORT, cache_write_tokens=40)
+    far = _write_step(ws, "r1", 0, scenes=1, lines=30)  # one long talky scene
+    run_once_in_process(ws)
+    near = _write_step(ws, "r1", 1, scenes=3, lines=6)  # the human proportions
+    run_once_in_process(ws)
+
+    steps = ws.events("step.reported", run="r1")
+    assert [(e["step"], e["sets"]) for e in steps] == [(0, 2), (1, 2)]
+    first, second = steps
+    assert first["craft_distance_change"] is None
+    assert 0 < second["craft_distance"] < first["craft_distance"] < 1
+    assert second["craft_distance_change"] == pytest.approx(
+        second["craft_distance"] - first["craft_distance"], abs=1e-6)
+
+    # Each report's sidecar has its own number and its parts; the event has the mean.
+    for sets, event in ((far, first), (near, second)):
+        sidecars = [ws.read_sidecar(s) for s in sets]
+        for sc in sidecars:
+            assert sc["craft_distance"] == pytest.approx(sum(sc["craft_distance_parts"].values()),
+                                                         abs=1e-5)
+            assert sc["tokens_cache_write"] == 40
+        mean = sum(sc["craft_distance"] for sc in sidecars) / len(sidecars)
+        assert event["craft_distance"] == pytest.approx(mean, abs=1e-6)
+    completed = ws.events("loss.completed")
+    assert len(completed) == 4 and all(e["craft_distance"] > 0 for e in completed)
+    assert ws.events("cost.total")[-1]["tokens_cache_write"] == 160
+
+    # `progress --json` is what the sidecars say, step by step.
+    result, took = run_cli("progress", "r1", "--json", "--config", str(ws.config_path))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["run"], r["epoch"], r["step"], r["sets"]) for r in rows] == [
+        ("r1", 0, 0, 2), ("r1", 0, 1, 2)]
+    for row, sets, event in ((rows[0], far, first), (rows[1], near, second)):
+        sidecars = [ws.read_sidecar(s) for s in sets]
+        assert row["craft_distance"] == event["craft_distance"]
+        assert row["craft_distance_change"] == event["craft_distance_change"]
+        assert row["tokens_in"] == sum(sc["tokens_in"] for sc in sidecars)
+        assert row["tokens_cache_write"] == 80
+        assert row["cost_usd"] is None  # the loopback model has no price: unknown, not 0
+
+    # The table and the terminal chart; --plot writes a file a browser can open.
+    svg = tmp_path / "curve.svg"
+    text, _ = run_cli("progress", "--plot", str(svg), "--config", str(ws.config_path))
+    assert text.returncode == 0, text.stderr
+    assert "craft distance per reported step" in text.stdout
+    assert f"{second['craft_distance']:.4f}" in text.stdout
+    assert svg.read_text(encoding="utf-8").lstrip().startswith("<?xml")
+    bad, _ = run_cli("progress", "--plot", str(tmp_path / "x.pdf"), "--config", str(ws.config_path))
+    assert bad.returncode == 2 and "svg or .png" in bad.stderr
+    assert not (tmp_path / "x.pdf").exists()
+    print(f"progress --json: {took:.3f}s")
+
+
+def test_metrics_endpoint_counts_what_the_daemon_does(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    port = _free_port()
+    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, max_attempts=1,
+                         extra=f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    llm_server.default = lambda request: Reply.ok(DEFAULT_REPORT, cached_tokens=7,
+                                                   cache_write_tokens=40)
+    daemon = InProcessDaemon(ws).start()
+    try:
+        before = _scrape(port)
+        assert before["skilltrain_reports_total"] == 0
+        assert before['skilltrain_sets{state="done"}'] == 0
+        assert before["skilltrain_jobs_running"] == 0
+        _write_step(ws, "r1", 0, scenes=3, lines=6)
+        wait_until(lambda: ws.events("step.reported"), 20, message="step.reported")
+        after = wait_until(lambda: (s := _scrape(port))['skilltrain_sets{state="done"}'] == 1
+                           and s, 5, message="the done set in /metrics")
+        llm_server.default = lambda request: Reply.status(400)
+        _write_step(ws, "r2", 0, scenes=3, lines=6)
+        wait_until(lambda: ws.events("loss.failed"), 20, message="loss.failed")
+        failed = _scrape(port)
+    finally:
+        daemon.stop()
+    sidecar = ws.read_sidecar(ws.sets_of_step("r1", 0, 0)[0])
+    event = ws.events("step.reported")[0]
+    assert after["skilltrain_reports_total"] == 1
+    assert after['skilltrain_llm_tokens_total{kind="in"}'] == sidecar["tokens_in"] > 0
+    assert after['skilltrain_llm_tokens_total{kind="out"}'] == sidecar["tokens_out"] > 0
+    assert after['skilltrain_llm_tokens_total{kind="cached"}'] == 7
+    assert after['skilltrain_llm_tokens_total{kind="cache_write"}'] == 40
+    assert after['skilltrain_craft_distance{run="r1"}'] == pytest.approx(event["craft_distance"])
+    assert after["skilltrain_llm_request_seconds_count"] == 1
+    assert after['skilltrain_set_failures_total{kind="failed"}'] == 0
+    assert failed['skilltrain_set_failures_total{kind="failed"}'] == 1
+    assert failed['skilltrain_sets{state="failed"}'] == 1
+    assert failed["skilltrain_llm_request_seconds_count"] == 2
+    assert failed["skilltrain_reports_total"] == 1
+    # Stopped daemon, closed endpoint.
+    with pytest.raises(OSError):
+        _scrape(port)
+
+
+@pytest.mark.parametrize("listen", ["9464", "192.0.2.1:9464"])
+def test_a_bad_listen_address_is_a_config_error(tmp_path: Path, listen: str) -> None:
+    """Malformed (caught by validation) or not an address of this machine (caught at bind)."""
+    ws = build_workspace(tmp_path, "http://127.0.0.1:9/v1",
+                         extra=f'\n[metrics]\nlisten = "{listen}"\n')
+    result, _ = run_cli("daemon", "--config", str(ws.config_path))
+    assert result.returncode == 2, result.stderr
+    assert "[metrics] listen" in result.stderr and listen in result.stderr
