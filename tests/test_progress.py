@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import craft_distance, craft_metrics
+from skilltrain import craft_distance, craft_metrics, tail
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,
@@ -171,9 +171,11 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     assert len(completed) == 4 and all(e["craft_distance"] > 0 for e in completed)
     assert ws.events("cost.total")[-1]["tokens_cache_write"] == 160
 
-    # `progress --json` is what the sidecars say, step by step.
-    result, took = run_cli("progress", "r1", "--json", "--config", str(ws.config_path))
+    # `progress --json` is what the sidecars say, step by step; it never imports litellm.
+    result, took = run_cli("progress", "r1", "--json", "--config", str(ws.config_path),
+                           python_flags=["-X", "importtime"])
     assert result.returncode == 0, result.stderr
+    assert "litellm" not in result.stderr and "matplotlib" not in result.stderr
     rows = json.loads(result.stdout)
     assert [(r["run"], r["epoch"], r["step"], r["sets"]) for r in rows] == [
         ("r1", 0, 0, 2), ("r1", 0, 1, 2)]
@@ -196,6 +198,12 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     assert bad.returncode == 2 and "svg or .png" in bad.stderr
     assert not (tmp_path / "x.pdf").exists()
     print(f"progress --json: {took:.3f}s")
+
+    # The step line of `skilltrain tail` shows both numbers.
+    line = tail.format_event(second)
+    assert f"distance={second['craft_distance']:.4f}" in line
+    assert f"change={second['craft_distance_change']:+.4f}" in line
+    assert "change=-" in tail.format_event(first)
 
 
 def test_metrics_endpoint_counts_what_the_daemon_does(
