@@ -96,11 +96,13 @@ def render(data: dict[str, Any], out: TextIO) -> None:
         console.print(sets)
     if data["spend"]:
         spend = Table(title="spend", title_justify="left")
-        for column in ("run", "reports", "tokens in", "tokens out", "cached", "cost USD"):
+        for column in ("run", "reports", "tokens in", "tokens out", "cached", "cache write",
+                       "cost USD"):
             spend.add_column(column, justify="left" if column == "run" else "right")
         for run, s in data["spend"].items():
             spend.add_row(run, str(s["reports"]), f"{s['tokens_in']:,}", f"{s['tokens_out']:,}",
-                          f"{s['tokens_cached']:,}", f"{s['cost_usd']:.4f}")
+                          f"{s['tokens_cached']:,}", f"{s.get('tokens_cache_write', 0):,}",
+                          f"{s['cost_usd']:.4f}")
         console.print(spend)
 
 

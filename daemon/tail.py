@@ -131,7 +131,8 @@ def _tokens(rec: Record) -> str:
     return " ".join(
         f"{k}={rec[f'tokens_{k}']}"
         for k in ("in", "out", "cached", "cache_write")
-        if rec.get(f"tokens_{k}") is not None
+        # Cache writes happen on Anthropic-style caching only: shown when there are some.
+        if rec.get(f"tokens_{k}") is not None and (k != "cache_write" or rec[f"tokens_{k}"])
     )
 
 

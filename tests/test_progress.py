@@ -204,6 +204,7 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     assert f"distance={second['craft_distance']:.4f}" in line
     assert f"change={second['craft_distance_change']:+.4f}" in line
     assert "change=-" in tail.format_event(first)
+    assert "cached=0 cache_write=40 " in tail.format_event(completed[0])
 
 
 def test_metrics_endpoint_counts_what_the_daemon_does(
