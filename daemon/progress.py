@@ -226,6 +226,8 @@ def render_chart(rows: Sequence[StepRow], out: TextIO) -> None:
         signal = fig.signal(xs, ys, marker="braille").lines()
         fig.draw(signal.label(run) if len(curves) > 1 else signal)  # a lone legend hides data
     fig.label("reported step", "x")
+    # From 0 (the human craft) up: a lone point must not float in a range around itself.
+    fig.ruler("y").lim(0, max(y for _, _, ys in curves for y in ys) * 1.1 or 1.0)
     text = str(fig.build())
     out.write((text if out.isatty() else plotext.uncolorize(text)).rstrip() + "\n")
 
