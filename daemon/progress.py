@@ -242,7 +242,8 @@ def write_plot(rows: Sequence[StepRow], path: Path) -> None:
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     for run, xs, ys in _curves(rows):
-        ax.plot(xs, ys, marker="o", markersize=3, label=run)
+        # Dots for a few steps; for hundreds they would only thicken the line.
+        ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, markersize=3, label=run)
     ax.set_xlabel("reported step")
     ax.set_ylabel("craft distance (0 = the human craft)")
     ax.set_title("skilltrain: craft distance per reported step")
