@@ -185,7 +185,10 @@ class Daemon:
             new[str(path)] = [st.st_size, st.st_mtime_ns, st.st_ino]
             return old.get(str(path)) == new[str(path)]
 
-        result = audit.scan(self.runs, indexes, unchanged=unchanged)
+        result = audit.scan(self.runs, indexes, unchanged=unchanged,
+                            data_root=self.cfg.paths.data)
+        for link in result.links:
+            self.emit("audit.link", level="error", file=str(link.file), target=str(link.target))
         for hit in result.hits:
             new.pop(str(hit.file), None)  # never remembered as clean
             self.emit("audit.leak", level="error", file=str(hit.file), line=hit.line,
@@ -193,8 +196,9 @@ class Daemon:
         new.pop(str(cache_path), None)
         with contextlib.suppress(OSError):
             atomic.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
-        self.emit("audit.completed", level="warning" if result.hits else "info",
+        self.emit("audit.completed", level="warning" if result.hits or result.links else "info",
                   files=result.files, skipped=result.skipped, leaks=len(result.hits),
+                  links=len(result.links),
                   errors=len(result.errors), duration_ms=int((time.monotonic() - t0) * 1000))
 
     def _own_dirs(self) -> list[Path]:

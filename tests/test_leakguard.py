@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from skilltrain import leakguard
+from skilltrain import leakguard, textnorm
 from skilltrain.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
 
 # A human screenplay written for these tests (two episodes).
@@ -169,7 +169,6 @@ def test_quoted_lines_found_and_redacted(index: HumanIndex) -> None:
         assert quote.rstrip(".") not in redacted
     assert "penny" not in redacted
     assert find_leaks(redacted, index) == []
-    assert leakguard.leaked_words(leaks) == sum(k.n_words for k in leaks)
 
 
 def test_quotes_of_the_model_are_allowed(index: HumanIndex) -> None:
@@ -188,7 +187,10 @@ def test_quotes_of_the_model_are_allowed(index: HumanIndex) -> None:
     leaks = find_leaks(leaking, index, allow_text=model_with_line)
     # What the model did not write ("to Hollis") is human text the report
     # reproduces; the words the model wrote before it stay.
-    assert [_span(leaking, k) for k in leaks] == ["again, Walter. The goats are halfway to Hollis"]
+    # (rule 1: "open ... halfway to" is 8 human words the model did not write.)
+    assert [_span(leaking, k) for k in leaks] == [
+        "open again, Walter. The goats are halfway to Hollis"
+    ]
     assert redact(report, find_leaks(report, index, allow_text=MODEL_EP1)) == report
 
 
@@ -202,8 +204,15 @@ def test_stock_phrases_are_not_leaks() -> None:
     report = "\n".join(
         f"Both versions use the line {phrase!r}, which is fine." for phrase in STOCK_PHRASES
     )
-    report += "\n" + " ".join(STOCK_PHRASES) + "\n" + "\n".join(STOCK_PHRASES)
+    # Run together with a word between them: each alone is stock. (Side by
+    # side, "here?" + "I don't know what you're talking about" would be 8
+    # words in a row of HUMAN_STOCK, a leak by rule 1.)
+    report += "\n" + " so ".join(STOCK_PHRASES) + "\n" + "\nso ".join(STOCK_PHRASES)
     assert find_leaks(report, index) == []
+    # In the script's order they are its exchange, 8+ words in a row: a leak
+    # whatever the words (rule 1).
+    in_order = "MARTHA: " + " ".join(STOCK_PHRASES[8:14])
+    assert len(find_leaks(in_order, index)) == 1
     # The long ones are in the index (matched), just not distinctive enough to
     # start a leak; without the content-word rule they would be flagged.
     long = [p for p in STOCK_PHRASES if len(leakguard.tokens(p)) >= index.n]
@@ -212,7 +221,8 @@ def test_stock_phrases_are_not_leaks() -> None:
         assert set(leakguard.shingle_hashes(leakguard.tokens(phrase), index.n)) <= set(
             index.episode_of
         )
-    unfiltered = HumanIndex.build("stock", {1: HUMAN_STOCK, 2: HUMAN_EP1}, min_content=0)
+    unfiltered = HumanIndex.build("stock", {1: HUMAN_STOCK, 2: HUMAN_EP1}, min_content=0,
+                                  long_n=99)
     assert find_leaks(report, unfiltered) != []
     # The same report with one distinctive line is flagged: the index works.
     flagged = f"{report}\nAnd: the money in the biscuit tin was never yours to spend.\n"
@@ -297,18 +307,22 @@ def test_index_holds_no_human_text(index: HumanIndex) -> None:
     assert index.n_words == len(leakguard.tokens(HUMAN_EP1)) + len(leakguard.tokens(HUMAN_EP2))
 
 
-def test_fast_tokens_match_tokens() -> None:
+def test_token_spans_match_tokens() -> None:
     samples = [
         HUMAN_EP1,
-        "Don’t — STOP! l'été, naïve café, O'Brien's 42nd_street, ß ﬁne",
+        "Don’t — STOP! l'été, naïve café, O'Brien's 42nd_street, ß ﬁne",
         "‘quoted’ rock 'n' roll, a''b, x ʼyʼ, 'tis “so”… ok",
         '{"msg": "tab\\there", "x": [1, 2]}',
+        "fa\u200bther &amp;rsquo; %E2%80%99 \\u00e9t\\u00e9 Тhе",
     ]
     for text in samples:
-        assert leakguard.fast_tokens(text) == leakguard.tokens(text)
-        toks, spans = leakguard._tokens_with_offsets(text)
-        assert toks == leakguard.tokens(text)
-        assert all(text[a:b].strip() for a, b in spans)
+        fast = textnorm.readings(text)
+        mapped = textnorm.readings(text, offsets=True)
+        assert [r.tokens for r in fast] == [r.tokens for r in mapped]
+        for r in mapped:
+            spans = r.token_spans()
+            assert len(spans) == len(r.tokens)
+            assert all(text[a:b].strip() for a, b in spans)
     assert leakguard.tokens("Don’t STOP-now, café foo_bar a''b") == [
         "dont", "stop", "now", "cafe", "foo", "bar", "ab",
     ]  # fmt: skip
