@@ -125,6 +125,10 @@ class _FoldTable(dict[int, str]):
         super().__init__()
         self.format_as = format_as
 
+    def fold_match(self, m: re.Match[str]) -> str:
+        """The folded form of a one-character match, for `_sub`."""
+        return self[ord(m.group())]
+
     def __missing__(self, code: int) -> str:
         ch = chr(code)
         folded = ch if code < 128 else _fold_char(ch, self.format_as)
@@ -246,8 +250,7 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
             r_starts = r_ends = None
         else:
             assert starts is not None and ends is not None
-            folded, r_starts, r_ends = _sub(_NON_ASCII, lambda m, t=table: t[ord(m.group())],
-                                            decoded, starts, ends)
+            folded, r_starts, r_ends = _sub(_NON_ASCII, table.fold_match, decoded, starts, ends)
         low = folded.lower()
         if len(low) != len(folded):  # a letter lower() would expand: keep offsets aligned
             low = folded.translate(_ASCII_UPPER)
