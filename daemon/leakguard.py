@@ -254,10 +254,14 @@ class HumanIndex:
             # "auction" in a line of dialogue does.
             full_weak = [f or t in weak_words for t, f in zip(st.full, st.furniture, strict=True)]
             free_weak = [t in weak_words for t in st.free]
+            # Rule 1 reads the lines only: a scene heading or a cue is the
+            # story's (a closed-book writer of the same story names the same
+            # places and people), and "EXT. HILLCREST CARE HOME - CAR PARK -
+            # NIGHT" is 7 words already.
+            long_runs.update(shingle_hashes(st.free, long_n))
             for toks, weak in ((st.full, full_weak), (st.free, free_weak)):
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
-                long_runs.update(shingle_hashes(toks, long_n))
                 # Content words per window from a running sum of 0/1 flags.
                 sums = [0, *itertools.accumulate(not w for w in weak)]
                 counts = map(operator.sub, sums[n:], sums)
@@ -492,8 +496,13 @@ _installed: AnswerKeys | None = None
 _installed_lock = threading.Lock()
 
 
-def install(keys: AnswerKeys) -> None:
-    """Make `keys` the process's answer keys (the daemon, once works are loaded)."""
+def install(keys: AnswerKeys | None) -> None:
+    """Make `keys` the process's answer keys (the daemon, once works are loaded).
+
+    Logging (log._seal_answer_key), provider error messages (llm) and state
+    reasons are checked against them. None: no keys (library log records are
+    then withheld whole).
+    """
     global _installed
     with _installed_lock:
         _installed = keys

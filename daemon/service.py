@@ -136,6 +136,7 @@ class Daemon:
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
+        self._install_answer_keys()
         self._check_human_ranges()
         self.state.load()
         self.scheduler.start()
@@ -157,6 +158,14 @@ class Daemon:
         self.emit("daemon.ready", observer=self.watcher.kind or "none")
         if self.cfg.integrity.audit_on_start and not self.once:
             threading.Thread(target=self.audit, name="audit", daemon=True).start()
+
+    def _install_answer_keys(self) -> None:
+        """Every work's index, for what belongs to no one work: log lines, error reasons."""
+        from skilltrain import leakguard
+
+        leakguard.install(leakguard.AnswerKeys(
+            leakguard.index_for(name, episodes) for name, work in sorted(self.works.items())
+            if (episodes := work.read_all_human())))
 
     def audit(self) -> None:
         """Full leak audit of runs/; hits are logged without their text.
