@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
