@@ -69,6 +69,7 @@ from skilltrain.textnorm import Reading
 SHINGLE_WORDS = 7
 LONG_RUN_WORDS = 8
 MIN_CONTENT_WORDS = 2
+LONG_MIN_CONTENT_WORDS = 1
 REDACTION_MARKER = "[verbatim answer-key passage removed]"
 
 tokens = textnorm.tokens
@@ -201,12 +202,21 @@ class _Streams:
 
 
 def _digest(work: str, episodes: Mapping[int, str], n: int, min_content: int,
-            long_n: int) -> str:
-    h = hashlib.sha256(f"{work}\0{n}\0{min_content}\0{long_n}\0".encode())
+            long_n: int, long_min_content: int) -> str:
+    h = hashlib.sha256(f"{work}\0{n}\0{min_content}\0{long_n}\0{long_min_content}\0".encode())
     for number in sorted(episodes):
         h.update(f"{number}\0{len(episodes[number])}\0".encode())
         h.update(episodes[number].encode("utf-8", "surrogatepass"))
     return h.hexdigest()
+
+
+def _with_content(hashes: list[int], weak: Sequence[bool], n: int, minimum: int) -> list[int]:
+    """The windows (of n words, hashed) with at least `minimum` words that are not weak."""
+    # Content words per window from a running sum of 0/1 flags.
+    sums = [0, *itertools.accumulate(not w for w in weak)]
+    counts = map(operator.sub, sums[n:], sums)
+    enough = map(operator.le, itertools.repeat(minimum), counts)
+    return list(itertools.compress(hashes, enough))
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,7 +230,8 @@ class HumanIndex:
     n_words: int
     episode_of: Mapping[int, int]  # n-shingle hash -> first episode it occurs in
     seeds: frozenset[int]  # the n-shingles distinctive enough to start a leak
-    long_runs: frozenset[int]  # every long_n-shingle: a leak whatever its words
+    long_runs: frozenset[int]  # every long_n-shingle of the lines
+    long_seeds: frozenset[int]  # those with a word that is not stock: they start a leak
     words: frozenset[int]  # hash of every word: only runs of these can match
 
     @classmethod
@@ -232,6 +243,7 @@ class HumanIndex:
         n: int = SHINGLE_WORDS,
         min_content: int = MIN_CONTENT_WORDS,
         long_n: int = LONG_RUN_WORDS,
+        long_min_content: int = LONG_MIN_CONTENT_WORDS,
     ) -> HumanIndex:
         if n < 1 or long_n < n:
             raise ValueError(f"shingle lengths must be 1 <= n <= long_n, got {n}, {long_n}")
@@ -242,6 +254,7 @@ class HumanIndex:
         episode_of: dict[int, int] = {}
         seeds: set[int] = set()
         long_runs: set[int] = set()
+        long_seeds: set[int] = set()
         words: set[int] = set()
         n_words = 0
         # Last episode first, so that the first episode a shingle occurs in wins.
@@ -258,24 +271,23 @@ class HumanIndex:
             # story's (a closed-book writer of the same story names the same
             # places and people), and "EXT. HILLCREST CARE HOME - CAR PARK -
             # NIGHT" is 7 words already.
-            long_runs.update(shingle_hashes(st.free, long_n))
+            long_hashes = shingle_hashes(st.free, long_n)
+            long_runs.update(long_hashes)
+            long_seeds.update(_with_content(long_hashes, free_weak, long_n, long_min_content))
             for toks, weak in ((st.full, full_weak), (st.free, free_weak)):
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
-                # Content words per window from a running sum of 0/1 flags.
-                sums = [0, *itertools.accumulate(not w for w in weak)]
-                counts = map(operator.sub, sums[n:], sums)
-                enough = map(operator.le, itertools.repeat(min_content), counts)
-                seeds.update(itertools.compress(hashes, enough))
+                seeds.update(_with_content(hashes, weak, n, min_content))
         return cls(
             work=work,
-            digest=_digest(work, episodes, n, min_content, long_n),
+            digest=_digest(work, episodes, n, min_content, long_n, long_min_content),
             n=n,
             long_n=long_n,
             n_words=n_words,
             episode_of=episode_of,
             seeds=frozenset(seeds),
             long_runs=frozenset(long_runs),
+            long_seeds=frozenset(long_seeds),
             words=frozenset(words),
         )
 
@@ -290,7 +302,7 @@ class HumanIndex:
             part = toks[run.start() : run.end()]
             if not self.seeds.isdisjoint(shingle_hashes(part, self.n)):
                 return True
-            if not self.long_runs.isdisjoint(shingle_hashes(part, self.long_n)):
+            if not self.long_seeds.isdisjoint(shingle_hashes(part, self.long_n)):
                 return True
         return False
 
@@ -308,7 +320,8 @@ _cache_lock = threading.Lock()
 
 def index_for(work: str, episodes: Mapping[int, str]) -> HumanIndex:
     """The index of this exact text, built once per process (LRU, _CACHE_SIZE works)."""
-    key = _digest(work, episodes, SHINGLE_WORDS, MIN_CONTENT_WORDS, LONG_RUN_WORDS)
+    key = _digest(work, episodes, SHINGLE_WORDS, MIN_CONTENT_WORDS, LONG_RUN_WORDS,
+                  LONG_MIN_CONTENT_WORDS)
     with _cache_lock:
         index = _cache.get(key)
         if index is not None:
@@ -398,13 +411,18 @@ def _token_spans(toks: Sequence[str], hashes: Sequence[int], index: HumanIndex,
         seed = next((h for _, h in run if h in seeds), None)
         if seed is not None:  # else only stock phrases and furniture
             found.append((run[0][0], run[-1][0] + n - 1, episode_of[seed]))
-    # Rule 1: any long run of the human text. Its first n words are a hit, so
+    # Rule 1: long runs of the human text. Their first n words are a hit, so
     # only hit positions are hashed again.
-    for i, h in hits:
+    long_hits = []
+    for i, _ in hits:
         if i + long_n <= len(toks):
             long_hash = hash(tuple(toks[i : i + long_n]))
             if long_hash in index.long_runs and long_hash not in allowed.long:
-                found.append((i, i + long_n - 1, episode_of[h]))
+                long_hits.append((i, long_hash))
+    for run in _runs(long_hits, long_n):
+        if any(h in index.long_seeds for _, h in run):  # else a stock line alone
+            first = run[0][0]
+            found.append((first, run[-1][0] + long_n - 1, episode_of[hashes[first]]))
     return _merge_token_spans(found)
 
 

@@ -209,10 +209,16 @@ def test_stock_phrases_are_not_leaks() -> None:
     # words in a row of HUMAN_STOCK, a leak by rule 1.)
     report += "\n" + " so ".join(STOCK_PHRASES) + "\n" + "\nso ".join(STOCK_PHRASES)
     assert find_leaks(report, index) == []
-    # In the script's order they are its exchange, 8+ words in a row: a leak
-    # whatever the words (rule 1).
+    # In the script's order they are its exchange, 8+ words in a row, but every
+    # word is stock: rule 1 needs one that is not. One more line, and the
+    # stock run around it goes with it.
     in_order = "MARTHA: " + " ".join(STOCK_PHRASES[8:14])
-    assert len(find_leaks(in_order, index)) == 1
+    assert find_leaks(in_order, index) == []
+    goats = HumanIndex.build("stock", {1: HUMAN_STOCK.replace("here!", "here, goats!")})
+    exchange = " ".join(STOCK_PHRASES[8:14]).replace("here!", "here, goats!")
+    text = f"Report: {exchange} I don't know what you're talking about. Fine."
+    (leak,) = find_leaks(text, goats)
+    assert _span(text, leak) == exchange + " I don't know what you're talking about"
     # The long ones are in the index (matched), just not distinctive enough to
     # start a leak; without the content-word rule they would be flagged.
     long = [p for p in STOCK_PHRASES if len(leakguard.tokens(p)) >= index.n]
