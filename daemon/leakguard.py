@@ -122,6 +122,46 @@ fade cu ecu ws ots sfx fx
 """.split()
 )
 
+# Lines of 8+ words that every screenwriter writes: a run of 8 words inside
+# one of them does not start a leak by rule 1 (it still extends one). The
+# content-word rule already lets the all-stock ones pass ("What the hell do
+# you think you're doing?"); these hold a word that is not filler.
+STOCK_LINES = (
+    "Get out of here before I call the police.",
+    "It's not what it looks like, I can explain.",
+    "I'm going to need you to calm down.",
+    "Tell me what happened. Start from the beginning.",
+    "You don't know what you're dealing with here.",
+    "I can't believe you would do this to me.",
+    "Whatever happens, I want you to know that I love you.",
+    "What are you doing here in the middle of the night?",
+    "I don't want to talk about it right now.",
+    "There's something I need to tell you about.",
+    "I need you to trust me on this one.",
+    "You have no idea what you're talking about.",
+    "We don't have much time, we have to go.",
+    "Why didn't you tell me about this before?",
+    "I'm not going to tell you again, get out.",
+    "I told you I don't want to see you again.",
+    "Do you have any idea how dangerous that is?",
+    "If you're hearing this, it means I'm already dead.",
+    "I'm not going anywhere until you tell me the truth.",
+    "You're the last person I expected to see here.",
+    "Don't you dare walk away from me when I'm talking to you.",
+    "We're not so different, you and I.",
+    "I've been waiting for this moment for a long time.",
+    "It's been a long time since I've seen you.",
+    "I have no idea what you're talking about.",
+    "You're not going to believe what just happened.",
+    "Promise me you won't tell anyone about this.",
+    "Is there something you want to tell me?",
+)
+
+
+def _stock_runs(n: int) -> frozenset[int]:
+    return frozenset(h for line in STOCK_LINES for h in shingle_hashes(tokens(line), n))
+
+
 _HEADING = re.compile(
     r"^\s*(?:\d+[A-Z]?[.)]?\s+)?(?:INT|EXT|EST|I/E|INT\.?/EXT)\b[.\s/]", re.IGNORECASE
 )
@@ -278,6 +318,7 @@ class HumanIndex:
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
                 seeds.update(_with_content(hashes, weak, n, min_content))
+        long_seeds -= _stock_runs(long_n)
         return cls(
             work=work,
             digest=_digest(work, episodes, n, min_content, long_n, long_min_content),
