@@ -16,15 +16,19 @@ KEY_DIR = CORPUS / "american_beauty"
 WORK = "american_beauty"
 
 # Lines of the key made of common words: no 7-word window of them holds two
-# content words, so the 7-word rule alone let them through (issue 11, class 1).
+# content words, so the 7-word rule alone let them through (issue 11, class 1);
+# measured with HumanIndex.build(..., long_n=99), i.e. rule 1 off.
 LONG_COMMON = [
-    "This will be the high point of my day. It's all downhill from here.",
-    "She wasn't always like this. She used to be happy. We used to be happy.",
+    "What a lame-o. Somebody really should put him out of his misery.",
+    "What in the world is wrong with her? She had a walk this morning.",
+    "I just love your roses. How do you get them to flourish like this?",
+    "But I don't want to lie to her.",
+    "Possibly. But you don't want to be unemployed.",
+    "--you couldn't possibly care any less, could you?",
+    "Honey, I'm sorry. I... I'm sorry I haven't been more available, I just... I'm...",
+    # and a long voice-over line, 33 words
     "I have lost something. I'm not exactly sure what it is, but I know I didn't "
     "always feel this... sedated. But you know what? It's never too late to get it back.",
-    "Well, what do you expect? You can't all of a sudden be my best friend, just "
-    "because you had a bad day.",
-    "Both my wife and daughter think I'm this gigantic loser, and... they're right.",
 ]
 CROSS_RANGE = "Oh, well, let's just all sell our souls and work for Satan, because it's more convenient that way."  # noqa: E501 - ep05
 
