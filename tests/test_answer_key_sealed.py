@@ -17,14 +17,40 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import textnorm
+from skilltrain import leakguard, textnorm
+from skilltrain.state import SetState, StateStore
 from tests.corpus import adversarial
-from tests.daemon_helpers import Workspace, build_workspace, run_cli, run_once_in_process
+from tests.daemon_helpers import (
+    Workspace,
+    build_workspace,
+    litellm_warm_and_frozen,
+    release_llm_clients,
+    run_cli,
+    run_once_in_process,
+)
 from tests.llm_server import LLMServer, Reply, Request
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:unclosed <socket.socket:ResourceWarning",  # litellm's pooled clients
-)
+# Same filters as tests/test_bad_input.py: litellm's client cache may drop an
+# unclosed keep-alive socket (collected at teardown by release_llm_clients).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning"),
+    pytest.mark.filterwarnings(
+        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
+        "pytest.PytestUnraisableExceptionWarning"
+    ),
+]
+
+@pytest.fixture(scope="module", autouse=True)
+def _litellm_imported() -> Iterator[None]:
+    with litellm_warm_and_frozen():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _release_clients() -> Iterator[None]:
+    yield
+    release_llm_clients()
+
 
 RUN = 8
 KEY = adversarial.key()
@@ -211,3 +237,18 @@ def test_audit_cli_follows_symlinks_into_data(tmp_path: Path, llm_server: LLMSer
     copied, _ = run_cli(*audit)
     assert copied.returncode == 1
     assert "notes/copy/ep05.txt" in copied.stdout
+
+
+def test_state_reasons_are_checked_against_every_work(tmp_path: Path) -> None:
+    # Whatever text reaches the state store (an exception's, a library's) is
+    # checked like a log line once the daemon has the answer keys.
+    other = leakguard.HumanIndex.build("brick", {1: (adversarial.CORPUS /
+                                                     "brick_and_steel.txt").read_text("utf-8")})
+    leakguard.install(leakguard.AnswerKeys([other, leakguard.HumanIndex.build("k", KEY)]))
+    quote = adversarial.DISGUISES["pipe-joined"](adversarial.LONG_COMMON[0])
+    store = StateStore(tmp_path / "runs")
+    store.update("r1/e0/s0/k/01-03", SetState.FAILED, reason=f"KeyError: {quote} (HTTP 400)")
+    store.flush(force=True, pid=None)
+    saved = store.path.read_text(encoding="utf-8")
+    assert "KeyError: [verbatim answer-key passage removed]. (HTTP 400)" in saved
+    assert not human_runs(saved)

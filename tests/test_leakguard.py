@@ -367,3 +367,67 @@ def _timed(fn: object) -> float:
     elapsed = time.perf_counter() - start
     assert len(leaks) == 1
     return elapsed
+
+
+# Two distinctive lines of HUMAN_EP1 that are not next to each other there.
+LINE_A = "The money in the biscuit tin was never yours to spend."
+LINE_B = "Your father sold this same tractor to my father for a handshake and a pie."
+
+
+def test_touching_quotes_merge_into_one_span(index: HumanIndex) -> None:
+    # Back to back, the last window of A and the first of B touch (no word
+    # between): one passage, one marker. A window is n words, so "touch"
+    # means the next hit starts exactly n words after the previous one.
+    touching = f"Both: {LINE_A} {LINE_B} End."
+    (leak,) = find_leaks(touching, index)
+    assert _span(touching, leak) == f"{LINE_A} {LINE_B}".rstrip(".")
+    assert redact(touching, [leak]) == f"Both: {REDACTION_MARKER}. End."
+    # One word between them: two passages, the word stays.
+    apart = f"Both: {LINE_A} and {LINE_B} End."
+    first, second = find_leaks(apart, index)
+    assert redact(apart, [first, second]) == (
+        f"Both: {REDACTION_MARKER}. and {REDACTION_MARKER}. End.")
+
+
+def test_overlapping_windows_make_one_span_per_quote(index: HumanIndex) -> None:
+    report = f"x {LINE_B} y"
+    (leak,) = find_leaks(report, index)  # 9 overlapping windows, one passage
+    assert leak.n_words == len(leakguard.tokens(LINE_B))
+
+
+def test_span_merging_rules() -> None:
+    merge = leakguard._merge_token_spans
+    assert merge([(8, 15, 2), (0, 7, 1)]) == [(0, 15, 1)]  # touching
+    assert merge([(0, 7, 1), (9, 15, 1)]) == [(0, 7, 1), (9, 15, 1)]  # a word between
+    assert merge([(0, 9, 1), (3, 7, 2), (5, 12, 1)]) == [(0, 12, 1)]  # overlapping
+    chars = leakguard._merge_spans
+    assert chars([(10, 20, 1, 3), (0, 12, 2, 4)]) == [(0, 20, 2, 4)]
+    assert chars([(0, 10, 1, 3), (10, 20, 1, 3)]) == [(0, 10, 1, 3), (10, 20, 1, 3)]
+
+
+def test_answer_keys_of_two_works_overlap_under_one_marker() -> None:
+    # Two works share a passage (a public-domain poem both quote, say); a
+    # report quoting more than either holds gets overlapping leaks from the
+    # two indexes, and redact cuts their union under one marker.
+    shared = "the woods are lovely dark and deep but I have promises to keep"
+    first = HumanIndex.build("frost1", {1: f"ADA\nWhispering {shared} tonight again.\n"})
+    second = HumanIndex.build("frost2", {1: f"TOM\n{shared} and miles to go before I sleep.\n"})
+    keys = leakguard.AnswerKeys([first, second])
+    text = f"Note: Whispering {shared} and miles to go before I sleep. Done."
+    leaks = keys.leaks(text)
+    assert len(leaks) == 2 and leaks[1].start < leaks[0].end  # they overlap
+    assert keys.clean(text) == f"Note: {REDACTION_MARKER}. Done."
+    assert keys.clean("a short field") == "a short field"
+    assert leakguard.AnswerKeys([]).leaks(text) == []
+
+
+def test_long_run_of_common_words_is_a_leak_alone() -> None:
+    # No 7-word window of it holds two content words (rule 2 cannot start),
+    # but 8 human words in a row with one that is not stock (rule 1) can.
+    human = {1: "JANE\nWhat in the world is wrong with her? She had a walk this morning.\n"}
+    rule2_only = HumanIndex.build("w", human, long_n=99)
+    both = HumanIndex.build("w", human)
+    report = "She asks what in the world is wrong with her, she had a walk this morning!"
+    assert find_leaks(report, rule2_only) == []
+    (leak,) = find_leaks(report, both)
+    assert _span(report, leak) == "what in the world is wrong with her, she had a walk this morning"
