@@ -382,6 +382,12 @@ def test_touching_quotes_merge_into_one_span(index: HumanIndex) -> None:
     (leak,) = find_leaks(touching, index)
     assert _span(touching, leak) == f"{LINE_A} {LINE_B}".rstrip(".")
     assert redact(touching, [leak]) == f"Both: {REDACTION_MARKER}. End."
+    # A stock line (no seed of its own) touching a quote goes with it.
+    stock = "I don't know what you're talking about"
+    extended = f"{LINE_A} {stock}. End."
+    (leak,) = find_leaks(extended, index)
+    assert _span(extended, leak) == f"{LINE_A} {stock}"
+    assert find_leaks(f"So: {stock}. End.", index) == []
     # One word between them: two passages, the word stays.
     apart = f"Both: {LINE_A} and {LINE_B} End."
     first, second = find_leaks(apart, index)
