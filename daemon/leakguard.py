@@ -122,10 +122,10 @@ fade cu ecu ws ots sfx fx
 """.split()
 )
 
-# Lines of 8+ words that every screenwriter writes: a run of 8 words inside
-# one of them does not start a leak by rule 1 (it still extends one). The
-# content-word rule already lets the all-stock ones pass ("What the hell do
-# you think you're doing?"); these hold a word that is not filler.
+# Lines of 8+ words that every screenwriter writes: a run inside one of them
+# starts no leak by either rule (it still extends one). The content-word
+# rules already let the all-stock ones pass ("What the hell do you think
+# you're doing?"); these hold words that are not filler.
 STOCK_LINES = (
     "Get out of here before I call the police.",
     "It's not what it looks like, I can explain.",
@@ -318,6 +318,7 @@ class HumanIndex:
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
                 seeds.update(_with_content(hashes, weak, n, min_content))
+        seeds -= _stock_runs(n)
         long_seeds -= _stock_runs(long_n)
         return cls(
             work=work,
@@ -433,7 +434,10 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
         found = _token_spans(view.tokens, hashes, index, allowed)
         if not found:
             continue
-        where = textnorm.readings(text, offsets=True)[k].token_spans()
+        wanted = {i for first, last, _ in found for i in (first, last)}
+        if view.text is not text:  # escapes decoded or letters folded: map back
+            view = textnorm.readings(text, offsets=True)[k]
+        where = view.token_spans(wanted)
         spans += [(where[first][0], where[last][1], episode, last - first + 1)
                   for first, last, episode in found]
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)

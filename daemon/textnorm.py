@@ -65,15 +65,16 @@ _ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": 
 def _decode(m: re.Match[str]) -> str:
     """One escape, decoded; control characters and broken ones become a space."""
     s = m.group()
-    if s[0] == "&":
-        out = html.unescape(s)
-    elif s[0] == "%":
-        out = bytes.fromhex(s.replace("%", "")).decode("utf-8", "replace")
-    elif s[1] in "uUx":
+    if s[0] == "\\":  # the common case in a JSON log: one call, no loop
+        if s[1] not in "uUx":
+            return _ONE_LETTER.get(s[1], s[1])
         code = int(s[2:].strip("{}"), 16)
         out = chr(code) if code <= 0x10FFFF else " "
+        return out if out.isprintable() else " "
+    if s[0] == "&":
+        out = html.unescape(s)
     else:
-        return _ONE_LETTER.get(s[1], s[1])
+        out = bytes.fromhex(s.replace("%", "")).decode("utf-8", "replace")
     return "".join(c if c.isprintable() or c == " " else " " for c in out) or " "
 
 
@@ -125,6 +126,10 @@ class _FoldTable(dict[int, str]):
         super().__init__()
         self.format_as = format_as
 
+    def fold_run(self, m: re.Match[str]) -> str:
+        """A run of non-ASCII characters, folded (one translate per run)."""
+        return m.group().translate(self)
+
     def fold_match(self, m: re.Match[str]) -> str:
         """The folded form of a one-character match, for `_sub`."""
         return self[ord(m.group())]
@@ -140,6 +145,7 @@ _JOIN = _FoldTable("")  # format characters removed: inside a word
 _SPLIT = _FoldTable(" ")  # format characters as separators: between words
 
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
 # Every format character (category Cf): a text with none is read once.
 _FORMAT = re.compile(
     "["
@@ -171,16 +177,17 @@ class Reading:
     ends: list[int] | None = None
     tokens: list[str] = field(default_factory=list)
 
-    def token_spans(self) -> list[tuple[int, int]]:
-        """(start, end) in the original text of every token, in order."""
-        spans = []
+    def token_spans(self, wanted: set[int] | None = None) -> dict[int, tuple[int, int]]:
+        """(start, end) in the original text of the tokens numbered `wanted` (default all)."""
+        spans: dict[int, tuple[int, int]] = {}
+        last = max(wanted) if wanted else -1
         starts, ends = self.starts, self.ends
-        for m in _WORD.finditer(self.text):
-            s, e = m.span()
-            if starts is None or ends is None:
-                spans.append((s, e))
-            else:
-                spans.append((starts[s], ends[e - 1]))
+        for i, m in enumerate(_WORD.finditer(self.text)):
+            if wanted is None or i in wanted:
+                s, e = m.span()
+                spans[i] = (s, e) if starts is None or ends is None else (starts[s], ends[e - 1])
+                if i == last:
+                    break
         return spans
 
 
@@ -237,16 +244,21 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
     text needs none); call again with offsets=True to map a hit back.
     """
     starts = ends = None
+    decoded, _, _ = _decode_escapes(text, None, None)
+    if decoded.isascii() and decoded == text:  # nothing moved: offsets are the text's
+        return [Reading(text, text, None, None, _words(text))]
     if offsets:
         starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
-    decoded, starts, ends = _decode_escapes(text, starts, ends)
+        decoded, starts, ends = _decode_escapes(text, starts, ends)
     if decoded.isascii():
         return [Reading(text, decoded, starts, ends, _words(decoded))]
-    tables = [_JOIN, _SPLIT] if _FORMAT.search(decoded) else [_JOIN]
+    # Only the non-ASCII runs are looked at: prose and logs are mostly ASCII.
+    runs = _NON_ASCII_RUN.findall(decoded)
+    tables = [_JOIN, _SPLIT] if any(_FORMAT.search(run) for run in runs) else [_JOIN]
     out = []
     for table in tables:
         if not offsets:
-            folded = decoded.translate(table)
+            folded = _NON_ASCII_RUN.sub(table.fold_run, decoded)
             r_starts = r_ends = None
         else:
             assert starts is not None and ends is not None
