@@ -48,17 +48,20 @@ from dataclasses import dataclass, field
 DECODE_LEVELS = 4
 
 _APOSTROPHE = "'"
-_ESCAPE = re.compile(
-    r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?"
-    r"|\\u\{[0-9a-fA-F]{1,6}\}|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\x[0-9a-fA-F]{2}"
-    r"|\\[nrtbfv0\"'\\/`]"
+# One pattern per escape family, each with a literal first character: the
+# regex engine then skips ahead to it (a JSON log has only backslashes).
+_ESCAPES = (
+    ("\\", re.compile(
+        r"\\(?:u\{[0-9a-fA-F]{1,6}\}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|x[0-9a-fA-F]{2}"
+        r"|[nrtbfv0\"'\\/`])")),
+    ("&", re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")),
     # %XX runs that form one UTF-8 character (1 to 4 bytes)
-    r"|%[0-7][0-9a-fA-F]"
-    r"|%[cdCD][0-9a-fA-F]%[89abAB][0-9a-fA-F]"
-    r"|%[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
-    r"|%[fF][0-7](?:%[89abAB][0-9a-fA-F]){3}"
+    ("%", re.compile(
+        r"%(?:[0-7][0-9a-fA-F]"
+        r"|[cdCD][0-9a-fA-F]%[89abAB][0-9a-fA-F]"
+        r"|[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
+        r"|[fF][0-7](?:%[89abAB][0-9a-fA-F]){3})")),
 )
-_MAY_ESCAPE = ("&", "\\", "%")
 _ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": " "}
 
 
@@ -217,12 +220,16 @@ def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], text: s
 def _decode_escapes(text: str, starts: list[int] | None,
                     ends: list[int] | None) -> tuple[str, list[int] | None, list[int] | None]:
     for _ in range(DECODE_LEVELS):
-        if not any(c in text for c in _MAY_ESCAPE) or _ESCAPE.search(text) is None:
+        before = text
+        for first, pattern in _ESCAPES:
+            if first not in text:
+                continue
+            if starts is None or ends is None:
+                text = pattern.sub(_decode, text)
+            else:
+                text, starts, ends = _sub(pattern, _decode, text, starts, ends)
+        if text == before:
             break
-        if starts is None or ends is None:
-            text = _ESCAPE.sub(_decode, text)
-        else:
-            text, starts, ends = _sub(_ESCAPE, _decode, text, starts, ends)
     return text, starts, ends
 
 
@@ -253,12 +260,20 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
     if decoded.isascii():
         return [Reading(text, decoded, starts, ends, _words(decoded))]
     # Only the non-ASCII runs are looked at: prose and logs are mostly ASCII.
-    runs = _NON_ASCII_RUN.findall(decoded)
-    tables = [_JOIN, _SPLIT] if any(_FORMAT.search(run) for run in runs) else [_JOIN]
+    has_format: list[bool] = []
+
+    def fold_joined(m: re.Match[str]) -> str:
+        run = m.group()
+        if not has_format and _FORMAT.search(run):
+            has_format.append(True)
+        return run.translate(_JOIN)
+
+    joined = _NON_ASCII_RUN.sub(fold_joined, decoded)
+    tables = [_JOIN, _SPLIT] if has_format else [_JOIN]
     out = []
     for table in tables:
         if not offsets:
-            folded = _NON_ASCII_RUN.sub(table.fold_run, decoded)
+            folded = joined if table is _JOIN else _NON_ASCII_RUN.sub(table.fold_run, decoded)
             r_starts = r_ends = None
         else:
             assert starts is not None and ends is not None
