@@ -13,39 +13,41 @@ How: both texts become normalised words (textnorm: case, punctuation,
 accents, typography, HTML entities, escapes, URL encoding, zero-width and
 format characters, look-alike letters do not matter), and every run of n
 consecutive words (a shingle) of the checked text is looked up in hashed
-sets of the human shingles. Two rules make a leak:
+sets of the human shingles. Two rules start a leak:
 
-1. LONG_RUN_WORDS (8) or more consecutive words that occur anywhere in the
-   human text of the work, whatever the words. A voice-over line made of
-   common words ("The truth is, I didn't see anything of myself in my
-   father") is as much the answer key as a distinctive one, and a
-   closed-book writer must not read it.
-2. A SHINGLE_WORDS (7) word run with at least MIN_CONTENT_WORDS words that
-   are neither function words, conversational filler, cue names nor
-   screenplay furniture: a distinctive 7-word line is a quote too.
+1. LONG_RUN_WORDS (8) consecutive words of the human lines (dialogue and
+   action; headings and cues are the story's, a closed-book writer of the
+   same story names the same places and people) with at least
+   LONG_MIN_CONTENT_WORDS (1) word that is not stock (filler, names,
+   furniture). A voice-over line of common words ("What in the world is
+   wrong with her? She had a walk this morning.") is as much the answer key
+   as a distinctive one.
+2. SHINGLE_WORDS (7) words with at least MIN_CONTENT_WORDS (2) that are not
+   stock: a distinctive 7-word line is a quote too.
 
-Hit windows that touch or overlap merge into one span, so a long quotation
-is removed whole; the span is mapped back to the exact characters of the
-original text (escapes and zero-width characters inside it included) so
-that it can be redacted. Text that also occurs in the model's own episodes
-(`allow_text`) is not a leak: a report may quote the model it judges.
+Windows that touch or overlap a started run extend it (a stock stretch inside
+a quote goes with the quote), so a long quotation is removed whole; the span
+is mapped back to the exact characters of the original text (escapes and
+zero-width characters inside it included) so that it can be redacted. Text
+that also occurs in the model's own episodes (`allow_text`) is not a leak: a
+report may quote the model it judges. Runs inside STOCK_LINES (lines every
+screenwriter writes) start nothing.
 
-Why 8 for the any-words rule: stock screenplay lines are 2-7 words ("CUT
-TO:", "What are you doing here?", "I don't know what you're talking about",
-"What the hell are you doing here?" = 7) and two independent scripts rarely
-share 8 words in a row unless one copies the other. Measured
-(bench/leakguard_bench.py, bench/RESULTS.md "Issue 11"): on the adversarial
-corpus (tests/corpus/) the guard finds every quote of 8+ words in every
-disguise; between independent real screenplays and on reports that do not
-quote, shared runs of 8 words are zero, while at 6 words they appear; 40
-stock lines, each also padded to 8+ words by other stock lines, are not
-flagged against an independent script that uses them too unless the
-padding itself is a run of that script.
-
-Why 7 with content words (rule 2): length alone does not separate cliches
-at 7 words, a content word does. A cliche teaches the optimizer nothing, a
-distinctive line does. Weak shingles still *extend* a span that a rule
-started.
+Why these numbers (bench/leakguard_bench.py; bench/RESULTS.md "Issue 11"):
+on the corpus of tests/corpus (a real screenplay as key, 82 lines of 8+ words
+in 25 disguises) rule 2 alone catches 90.2%, rules 1+2 98.8%; false-positive
+spans on independent real screenplays, on data/example's independent draft
+and on reports that do not quote are 0 with either. The issue asked for any
+8 words whatever they are; that catches 100%, but flags all 10 held-out
+stock lines of 8+ words ("What the hell do you think you're doing?") that an
+independent script shares with the key (1 of 10 with the chosen rule). The
+audit checks the model's own scripts under runs/ with nothing allowed, so
+the literal rule would report stock lines of every run as leaks. What it
+lets through is a line made only of stock words (1 of 82 lines here), which
+teaches the optimizer nothing. At 7 words, length alone does not separate
+cliches ("What the hell are you doing here?" is 7), a content word does.
+data/example's independent draft shares one 8-word run with its human script,
+a scene heading, which rule 1 does not read.
 
 The index holds only hashes, never human text. Python's str hash is salted
 per process, so an index is only meaningful in the process that built it:
