@@ -6,8 +6,12 @@ Prints: index build time for data/example (if present) and for a synthetic
 200,000-word work; check time of a 10,000-word report (median, p99) against
 rebuilding the index per check and against a substring scan of every human
 line; recall and false-positive rates for shingle lengths 5-9 with and
-without the content-word rule; audit throughput on a 50 MB JSON log; peak
-memory. Seeded, so runs are comparable; about 20 s on 2 cores.
+without the content-word rule (rule 2 alone); the issue 11 table on the
+adversarial corpus (tests/corpus): recall per disguise and false positives on
+independent screenplays, non-quoting reports and stock lines, for rule 2
+alone, rule 1 with any words, and the chosen rules; audit throughput on a
+50 MB JSON log; peak memory. Seeded, so runs are comparable; about 30 s on 2
+cores.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from skilltrain import audit, leakguard
+from skilltrain import audit, leakguard, textnorm
 from skilltrain.leakguard import HumanIndex, find_leaks
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.corpus import adversarial  # noqa: E402 - needs ROOT on the path
+
 SEED = 20240601
 
 # Lines every screenplay may contain: a guard that flags these when the human
@@ -235,7 +242,7 @@ def bench_example() -> tuple[dict[int, str], dict[int, str]]:
             "words) shares with the human script:"
         )
         for n in range(4, 10):
-            ix = HumanIndex.build("example", human, n=n)
+            ix = HumanIndex.build("example", human, n=n, long_n=99)
             mine = set(leakguard.shingle_hashes(draft_toks, n))
             print(
                 f"    n={n}: {len(mine & ix.episode_of.keys()):4d} shared, "
@@ -268,7 +275,7 @@ def bench_check(human: dict[int, str], index: HumanIndex) -> None:
     leaks = find_leaks(report, index)
     print(
         f"report: {len(report.split()):,} words, 5 planted quotes -> {len(leaks)} leaks "
-        f"({leakguard.leaked_words(leaks)} words)"
+        f"({sum(k.n_words for k in leaks)} words)"
     )
     checks = timed(lambda: find_leaks(report, index), 200)
     clean_checks = timed(lambda: find_leaks(clean, index), 200)
@@ -304,8 +311,8 @@ def bench_rates(example: dict[int, str], draft: dict[int, str]) -> None:
     rng.shuffle(human_lines)
     human = "\n\n".join(f"{rng.choice(names)}\n{line}" for line in human_lines)
     print(
-        "rates: each line quoted once in a report sentence; 'draft' = spans flagged in "
-        "data/example/model_draft"
+        "rates (rule 2 alone): each line quoted once in a report sentence; 'draft' = spans "
+        "flagged in data/example/model_draft"
     )
     print(
         f"   n  content>=  stock flagged (of {len(STOCK)})  distinctive found (of "
@@ -313,12 +320,14 @@ def bench_rates(example: dict[int, str], draft: dict[int, str]) -> None:
     )
     for n in range(5, 10):
         for min_content in (0, leakguard.MIN_CONTENT_WORDS):
-            index = HumanIndex.build("rates", {1: human}, n=n, min_content=min_content)
+            index = HumanIndex.build("rates", {1: human}, n=n, min_content=min_content,
+                                     long_n=99)
             fp = sum(bool(find_leaks(f"She says '{s}' here.", index)) for s in STOCK)
             tp = sum(bool(find_leaks(f"She says '{s}' here.", index)) for s in DISTINCT)
             drafted = "-"
             if example and draft:
-                ix = HumanIndex.build("example", example, n=n, min_content=min_content)
+                ix = HumanIndex.build("example", example, n=n, min_content=min_content,
+                                      long_n=99)
                 drafted = str(sum(len(find_leaks(text, ix)) for text in draft.values()))
             chosen = (n, min_content) == (leakguard.SHINGLE_WORDS, leakguard.MIN_CONTENT_WORDS)
             print(
@@ -330,6 +339,87 @@ def bench_rates(example: dict[int, str], draft: dict[int, str]) -> None:
         f"  stock lines are {min(lengths)}-{max(lengths)} words; "
         f"{sum(k >= 7 for k in lengths)} of {len(STOCK)} have 7 or more"
     )
+
+
+# Rule variants compared on the corpus: (label, HumanIndex.build keywords).
+VARIANTS = [
+    ("rule 2 alone (7 words, 2 content)", {"long_n": 99}),
+    ("+ rule 1, any 8 words", {"long_min_content": 0}),
+    ("+ rule 1, 8 words with 1 not stock (chosen)", {}),
+]
+# Stock lines of 8+ words beyond leakguard.STOCK_LINES, all filler or not.
+STOCK_LONG = [
+    "What the hell do you think you're doing?",
+    "I don't know what you're talking about, man.",
+    "We need to talk about what happened last night.",
+    "Do you have any idea what time it is?",
+    "Let me know if you need anything else.",
+    "I thought I told you to stay in the car.",
+    "I'm not going to let anything happen to you.",
+    "You should go home and get some sleep.",
+    "I want you to listen to me very carefully.",
+    "I told you I didn't want to see you again.",
+]
+
+
+def _caught(index: HumanIndex, quote: str, disguise: Callable[[str], str]) -> bool:
+    """No 8 words of the quote in a row survive the redaction of a report quoting it."""
+    report = adversarial.report_quoting(disguise(quote))
+    left = leakguard.redact(report, find_leaks(report, index))
+    toks = textnorm.tokens(quote)
+    kept = " " + " ".join(w for v in textnorm.readings(left) for w in v.tokens + ["|"]) + " "
+    return not any(f" {' '.join(toks[i:i + 8])} " in kept for i in range(len(toks) - 7))
+
+
+def _screenplay_with(lines: list[str], base: str, cue: str) -> str:
+    """`base` with `lines` added as dialogue of `cue`, between its scenes."""
+    blocks = base.split("\n\n")
+    step = max(1, len(blocks) // (len(lines) + 1))
+    for k, line in enumerate(lines):
+        blocks.insert((k + 1) * step + k, f"{cue}\n{line}")
+    return "\n\n".join(blocks)
+
+
+def bench_corpus(example: dict[int, str], draft: dict[int, str]) -> None:
+    """Issue 11: recall per disguise and false positives on text nobody here wrote."""
+    key = adversarial.key()
+    quotes = adversarial.quotable_lines(key) + [adversarial.CROSS_RANGE]
+    brick = (adversarial.CORPUS / "brick_and_steel.txt").read_text(encoding="utf-8")
+    reports = (adversarial.CORPUS / "reports.md").read_text(encoding="utf-8")
+    key_text = "\n\n".join(key.values())
+    print(f"corpus: key {sum(len(textnorm.tokens(t)) for t in key.values()):,} words in "
+          f"{len(key)} episodes, {len(quotes)} lines of 8+ words quoted in "
+          f"{len(adversarial.DISGUISES)} disguises")
+    for label, kwargs in VARIANTS:
+        index = HumanIndex.build("key", key, **kwargs)  # type: ignore[arg-type]
+        per = {name: sum(_caught(index, q, f) for q in quotes)
+               for name, f in adversarial.DISGUISES.items()}
+        total = sum(per.values())
+        worst = min(per, key=per.__getitem__)
+        fp = {
+            "Brick & Steel": len(find_leaks(brick, index)),
+            "reports": len(find_leaks(reports, index)),
+            "example human": len(find_leaks("\n".join(example.values()), index)),
+            "example draft": len(find_leaks("\n".join(draft.values()), index)),
+        }
+        ex = HumanIndex.build("example", example, **kwargs)  # type: ignore[arg-type]
+        fp["draft vs example"] = sum(len(find_leaks(t, ex)) for t in draft.values())
+        fp["key vs example"] = len(find_leaks(key_text, ex))
+        # Stock lines in both the key and an independent script (Brick & Steel):
+        # those listed in leakguard.STOCK_LINES, and held-out ones.
+        for name, lines in (("listed stock", list(leakguard.STOCK_LINES)),
+                            ("held-out stock", STOCK_LONG)):
+            stock_key = HumanIndex.build("stock", {
+                n: _screenplay_with(lines if n == 3 else [], t, "LESTER") for n, t in key.items()
+            }, **kwargs)  # type: ignore[arg-type]
+            other = _screenplay_with(lines, brick, "STEEL")
+            fp[f"{name} (of {len(lines)})"] = len(find_leaks(other, stock_key))
+        print(f"  {label}: recall {total}/{len(quotes) * len(adversarial.DISGUISES)} "
+              f"({100 * total / (len(quotes) * len(adversarial.DISGUISES)):.1f}%), worst "
+              f"disguise {worst} {per[worst]}/{len(quotes)}; false-positive spans: "
+              + ", ".join(f"{k} {v}" for k, v in fp.items()))
+    missed = [q for q in quotes if not _caught(HumanIndex.build("key", key), q, str)]
+    print(f"  chosen rules miss {len(missed)} line(s), every word stock: {missed}")
 
 
 def _write_log(path: Path, mib: int, rng: random.Random) -> int:
@@ -390,12 +480,15 @@ def main() -> int:
     start = time.perf_counter()
     print(
         f"leakguard bench: n={leakguard.SHINGLE_WORDS}, "
-        f"content words>={leakguard.MIN_CONTENT_WORDS}, python {sys.version.split()[0]}"
+        f"content words>={leakguard.MIN_CONTENT_WORDS}, long runs {leakguard.LONG_RUN_WORDS} "
+        f"words with >={leakguard.LONG_MIN_CONTENT_WORDS} not stock, "
+        f"python {sys.version.split()[0]}"
     )
     example, draft = bench_example()
     human, index = bench_synthetic()
     bench_check(human, index)
     bench_rates(example, draft)
+    bench_corpus(example, draft)
     bench_audit(human, index)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(

@@ -3,11 +3,14 @@
 The loss step redacts its reports before writing them, but runs/ also holds
 prompt archives, sidecars, JSON logs, state files, optimizer outputs and
 whatever a user or another tool put there. The audit reads every regular file
-(symlinks are not followed: a link to data/ is not a copy of it), as text
-with undecodable bytes replaced, gzip-compressed files (rotated logs)
-decompressed. In a JSON file the human text appears with escapes (\\n, \\",
-\\u2019), so text with backslashes is checked with its escapes decoded (a
-literal backslash, as in a Windows path, only costs the word right after it).
+as text with undecodable bytes replaced, gzip-compressed files (rotated logs)
+decompressed, through the one normalisation of the leak guard (textnorm:
+JSON and HTML escapes, URL encoding, zero-width characters, look-alike
+letters). Symlinks are followed: a closed-book writer reads through a link as
+well as through a copy. A link whose target lies inside data/ is reported
+whatever the target holds; a link to any other file is scanned as that file
+(its hits are reported under the link's path); a link to a folder is walked
+once (a loop cannot trap the scan).
 
 Files are read in chunks with an overlap, so a 50 MB log costs seconds and
 little memory. A chunk is first tested against the hashed shingles in bulk;
@@ -23,7 +26,6 @@ import gzip
 import io
 import json
 import os
-import re
 import stat
 import sys
 import zlib
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain import leakguard
+from skilltrain import leakguard, textnorm
 from skilltrain.errors import ExitCode
 from skilltrain.leakguard import HumanIndex
 
@@ -46,8 +48,6 @@ OVERLAP_CHARS = 4096
 MAX_GZIP_CHARS = 4 << 30
 
 _GZIP_MAGIC = b"\x1f\x8b"
-_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|x([0-9a-fA-F]{2})|(.))", re.DOTALL)
-_ESCAPE_LEVELS = 3  # JSON inside a JSON string inside a log line
 
 
 @dataclass(frozen=True)
@@ -72,47 +72,35 @@ class Hit:
         }
 
 
+@dataclass(frozen=True)
+class Link:
+    """A symlink under runs/ whose target lies inside data/ (the answer key's home)."""
+
+    file: Path
+    target: Path
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": str(self.file), "target": str(self.target)}
+
+
 @dataclass
 class AuditResult:
     """Hits plus what was scanned and what could not be."""
 
     hits: list[Hit] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
     files: int = 0
     chars: int = 0
     skipped: int = 0
     errors: list[str] = field(default_factory=list)
 
 
-def _unescape_one(m: re.Match[str]) -> str:
-    code, byte, char = m.groups()
-    if code is not None or byte is not None:
-        c = int(code or byte, 16)
-        # Control characters and lone surrogates separate words; an escaped
-        # newline must not become a real one or line numbers would shift.
-        return chr(c) if c >= 0x20 and not 0xD800 <= c <= 0xDFFF else " "
-    if char in "nrtbfv0":
-        return " "
-    return char  # \" -> ", \\ -> \, and a backslash before a real newline goes
-
-
-def unescape(text: str) -> str:
-    """`text` with JSON/Python string escapes decoded, levels of nesting included.
-
-    Escaped newlines and tabs become spaces so that the line numbers of the
-    result are those of `text`.
-    """
-    for _ in range(_ESCAPE_LEVELS):
-        if "\\" not in text:
-            break
-        text = _ESCAPE.sub(_unescape_one, text)
-    return text
-
-
 def _open_text(path: Path, stack: contextlib.ExitStack) -> io.TextIOWrapper:
     """The file as text; not through a symlink, and only if it is a regular file.
 
-    scandir said it was a regular file, but it may have been replaced since:
-    O_NOFOLLOW refuses a symlink, O_NONBLOCK keeps a FIFO from blocking the scan.
+    `path` is a real path (links resolved by the walk), but it may have been
+    replaced since: O_NOFOLLOW refuses a symlink, O_NONBLOCK keeps a FIFO
+    from blocking the scan.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     raw = stack.enter_context(open(fd, "rb"))
@@ -156,7 +144,7 @@ class _TooLarge(Exception):
 
 
 def _excerpt(text: str) -> str:
-    words = text.split()
+    words = textnorm.decode_escapes(text).split()
     short = " ".join(words[:EXCERPT_WORDS])
     return short + " …" if len(words) > EXCERPT_WORDS else short
 
@@ -165,11 +153,11 @@ def _scan_view(
     view: str, first_line: int, path: Path, indexes: Sequence[HumanIndex]
 ) -> Iterator[Hit]:
     """Hits in one chunk: bulk hash test first, offsets only on a hit."""
-    toks = leakguard.fast_tokens(view)
+    views = textnorm.readings(view)
     for index in indexes:
-        if not index.may_match(toks):
+        if not any(index.may_match(v.tokens) for v in views):
             continue
-        for leak in leakguard.find_leaks(view, index):
+        for leak in leakguard.find_leaks(view, index, views=views):
             yield Hit(
                 file=path,
                 line=first_line + leak.line - 1,
@@ -180,17 +168,20 @@ def _scan_view(
             )
 
 
-def scan_file(path: Path, indexes: Sequence[HumanIndex]) -> tuple[list[Hit], int]:
-    """Hits in one file (deduplicated) and the number of characters read."""
+def scan_file(path: Path, indexes: Sequence[HumanIndex], *,
+              real: Path | None = None) -> tuple[list[Hit], int]:
+    """Hits in one file (deduplicated) and the number of characters read.
+
+    `real`: the file to read when `path` is a symlink to it.
+    """
     hits: dict[tuple[int, str, int], Hit] = {}
     chars = 0
     with contextlib.ExitStack() as stack:
-        f = _open_text(path, stack)
+        f = _open_text(real or path, stack)
         limit = MAX_GZIP_CHARS if isinstance(f.buffer, gzip.GzipFile) else None
         for first_line, chunk, fresh in _chunks(f, limit):
             chars += fresh
-            view = unescape(chunk) if "\\" in chunk else chunk
-            for hit in _scan_view(view, first_line, path, indexes):
+            for hit in _scan_view(chunk, first_line, path, indexes):
                 # The overlap between chunks finds a passage again.
                 key = (hit.line, hit.work, hit.episode)
                 if key not in hits or hits[key].n_words < hit.n_words:
@@ -198,12 +189,24 @@ def scan_file(path: Path, indexes: Sequence[HumanIndex]) -> tuple[list[Hit], int
     return sorted(hits.values(), key=lambda h: (h.line, h.work, h.episode)), chars
 
 
-def _regular_files(root: Path, errors: list[str]) -> Iterator[Path]:
-    """Every regular file under root, sorted, depth first; symlinks not followed.
+@dataclass(frozen=True)
+class _Entry:
+    """A file to scan: its path under runs/ and, for a symlink, the file it reaches."""
 
-    Symlinks, FIFOs (reading one would block), sockets and devices are
-    skipped. A loop, not recursion: a deep tree cannot exhaust the stack.
+    path: Path
+    real: Path | None = None
+
+
+def _walk(root: Path, data_root: Path | None, result: AuditResult) -> Iterator[_Entry]:
+    """Every regular file under root, sorted, depth first, symlinks followed.
+
+    A link into data_root is recorded in result.links, not read. Folders are
+    walked once by real path (a link loop ends there). FIFOs (reading one
+    would block), sockets and devices are skipped. A loop, not recursion: a
+    deep tree cannot exhaust the stack.
     """
+    data_real = Path(os.path.realpath(data_root)) if data_root is not None else None
+    seen_dirs = {os.path.realpath(root)}
     stack = [root]
     while stack:
         folder = stack.pop()
@@ -211,34 +214,53 @@ def _regular_files(root: Path, errors: list[str]) -> Iterator[Path]:
             with os.scandir(folder) as it:
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as e:
-            errors.append(f"{folder}: cannot list ({e.strerror or e})")
+            result.errors.append(f"{folder}: cannot list ({e.strerror or e})")
             continue
         subfolders = []
         for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                subfolders.append(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                yield Path(entry.path)
+            path = Path(entry.path)
+            real: Path | None = None
+            if entry.is_symlink():
+                real = Path(os.path.realpath(path))
+                if data_real is not None and real.is_relative_to(data_real):
+                    result.links.append(Link(path, real))
+                    continue
+            try:
+                st = os.stat(real or path) if real is not None else entry.stat(
+                    follow_symlinks=False)
+            except OSError:
+                continue  # a dangling link, or gone since the listing
+            if stat.S_ISDIR(st.st_mode):
+                key = os.path.realpath(path)
+                if key not in seen_dirs:
+                    seen_dirs.add(key)
+                    subfolders.append(path)
+            elif stat.S_ISREG(st.st_mode):
+                yield _Entry(path, real)
         stack.extend(reversed(subfolders))
 
 
 def scan(root: Path, indexes: Sequence[HumanIndex], *,
-         unchanged: Callable[[Path], bool] | None = None) -> AuditResult:
-    """Audit every regular file under root against every index.
+         unchanged: Callable[[Path], bool] | None = None,
+         data_root: Path | None = None) -> AuditResult:
+    """Audit every file under root (links followed) against every index.
 
-    `unchanged(path)`: True skips a file already found clean (the daemon's
-    start-up audit keeps a cache of file signatures).
+    `unchanged(path)`: True skips a regular file already found clean (the
+    daemon's start-up audit keeps a cache of file signatures); a link is
+    always read, its target may have changed behind it. `data_root`: links
+    into it are reported in `links`.
     """
     result = AuditResult()
     if not root.is_dir():
         result.errors.append(f"{root}: not a directory")
         return result
-    for path in _regular_files(root, result.errors):
-        if unchanged is not None and unchanged(path):
+    for entry in _walk(root, data_root, result):
+        path = entry.path
+        if entry.real is None and unchanged is not None and unchanged(path):
             result.skipped += 1
             continue
         try:
-            hits, chars = scan_file(path, indexes)
+            hits, chars = scan_file(path, indexes, real=entry.real)
         except _TooLarge as e:
             result.errors.append(
                 f"{path}: decompresses to more than {e.args[0]:,} characters; not fully scanned"
@@ -251,11 +273,6 @@ def scan(root: Path, indexes: Sequence[HumanIndex], *,
         result.chars += chars
         result.hits.extend(hits)
     return result
-
-
-def audit_tree(root: Path, indexes: Sequence[HumanIndex]) -> list[Hit]:
-    """Every passage of the indexed human texts found in any file under root."""
-    return scan(root, indexes).hits
 
 
 def format_hits(hits: Sequence[Hit], root: Path | None = None) -> str:
@@ -275,36 +292,41 @@ def to_json(result: AuditResult, root: Path) -> dict[str, Any]:
     """The --json document."""
     return {
         "root": str(root),
-        "clean": not result.hits and not result.errors,
+        "clean": not result.hits and not result.links and not result.errors,
         "files_scanned": result.files,
         "chars_scanned": result.chars,
         "hits": [h.to_json() for h in result.hits],
+        "links_into_data": [link.to_json() for link in result.links],
         "errors": result.errors,
     }
 
 
-def run(runs_root: Path, works: Mapping[str, Mapping[int, str]], as_json: bool) -> int:
+def run(runs_root: Path, works: Mapping[str, Mapping[int, str]], as_json: bool,
+        data_root: Path | None = None) -> int:
     """Audit runs_root against every work, print the result, return the exit code.
 
-    1 on a leak, and also when a file could not be read or there is no answer
-    key to compare with: the audit cannot then vouch that runs/ is clean.
+    1 on a leak or a link into data_root, and also when a file could not be
+    read or there is no answer key to compare with: the audit cannot then
+    vouch that runs/ is clean.
     """
     indexes = [
         leakguard.index_for(work, episodes) for work, episodes in sorted(works.items()) if episodes
     ]
-    result = scan(runs_root, indexes)
+    result = scan(runs_root, indexes, data_root=data_root)
     if not indexes:
         result.errors.append("no human episodes to audit against (is [paths] data right?)")
     if as_json:
         print(json.dumps(to_json(result, runs_root), ensure_ascii=False, indent=2))
     else:
         _print_text(result, runs_root, len(indexes))
-    return int(ExitCode.FAILURE if result.hits or result.errors else ExitCode.OK)
+    return int(ExitCode.FAILURE if result.hits or result.links or result.errors else ExitCode.OK)
 
 
 def _print_text(result: AuditResult, root: Path, n_works: int) -> None:
     if result.hits:
         print(format_hits(result.hits, root))
+    for link in result.links:
+        print(f"{link.file}: symlink into the answer key's folder ({link.target})")
     for error in result.errors:
         print(f"audit: {error}", file=sys.stderr)
     files = len({h.file for h in result.hits})
@@ -313,6 +335,8 @@ def _print_text(result: AuditResult, root: Path, n_works: int) -> None:
         if result.hits
         else "no answer-key passages"
     )
+    if result.links:
+        summary += f"; {len(result.links)} symlink(s) into data/"
     print(
         f"audit: {summary}; {result.files} files, {result.chars:,} characters under "
         f"{root} checked against {n_works} work(s)"

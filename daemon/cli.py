@@ -118,7 +118,7 @@ def _audit(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
     works = {name: work.read_all_human()
              for name, work in dataset.discover_works(cfg.paths.data).items()}
-    return audit.run(cfg.paths.runs, works, as_json=args.json)
+    return audit.run(cfg.paths.runs, works, as_json=args.json, data_root=cfg.paths.data)
 
 
 def _install_service(args: argparse.Namespace) -> int:

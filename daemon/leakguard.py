@@ -2,36 +2,52 @@
 
 An LLM asked to compare two screenplays readily quotes the original, and the
 optimizer would copy those quotes into the writer's skill, where the next
-closed-book writer reads them. So every report is checked against the human
-text of its work before it is written, and `skilltrain audit` checks every
-file under runs/.
+closed-book writer reads them. So every report and prompt archive is checked
+against the human text of its whole work (every episode, not only the range
+it reviews: the writer has no more right to episode 6 than to episode 2)
+before it is written; every log line, error reason and state entry is
+checked against every work (`AnswerKeys`); and `skilltrain audit` checks
+every file under runs/ against every work.
 
-How: both texts become normalised word tokens (case, punctuation, whitespace,
-straight/curly quotes, dashes and accents do not matter), and every run of
-SHINGLE_WORDS consecutive tokens (a shingle) of the report is looked up in a
-hashed set of the human shingles. Hit windows that touch or overlap merge
-into one span, mapped back to character offsets in the original report so
-that it can be redacted.
+How: both texts become normalised words (textnorm: case, punctuation,
+accents, typography, HTML entities, escapes, URL encoding, zero-width and
+format characters, look-alike letters do not matter), and every run of n
+consecutive words (a shingle) of the checked text is looked up in hashed
+sets of the human shingles. Two rules start a leak:
 
-Why 7 words (SHINGLE_WORDS): stock screenplay phrases are short ("CUT TO:",
-"INT. KITCHEN - NIGHT", "What are you doing here?" = 2-5 words) while a
-quoted line of dialogue is typically 7-15 words, and 7 is the largest n that
-still catches a single quoted 7-word line. Measured on data/example (an
-independent draft of the same story against the human script, ~4,000 words
-each), the distinctive shingles the two share fall from 13 at n=4 to 5 at
-n=5 and 0 at n=6 and 7: at 7 a closed-book writer's own lines keep a word of
-margin in works fifty times that size.
+1. LONG_RUN_WORDS (8) consecutive words of the human lines (dialogue and
+   action; headings and cues are the story's, a closed-book writer of the
+   same story names the same places and people) with at least
+   LONG_MIN_CONTENT_WORDS (1) word that is not stock (filler, names,
+   furniture). A voice-over line of common words ("What in the world is
+   wrong with her? She had a walk this morning.") is as much the answer key
+   as a distinctive one.
+2. SHINGLE_WORDS (7) words with at least MIN_CONTENT_WORDS (2) that are not
+   stock: a distinctive 7-word line is a quote too.
 
-Length alone does not separate clichés: "I don't know what you're talking
-about" and "What the hell are you doing here?" are 7 words, and 17 of 40
-stock lines in the bench have 7 or more. So a shingle can only *start* a leak
-when at least MIN_CONTENT_WORDS of its words are neither function words nor
-conversational filler nor cue names, and do not stand in screenplay
-furniture (scene headings, transitions, cues, parentheticals). A cliché
-teaches the optimizer nothing, a distinctive line does. Weak shingles still
-*extend* a span that a distinctive one started, so a long quotation is
-removed whole. bench/leakguard_bench.py prints the recall and false-positive
-rates behind these numbers for n = 5..9 with and without that rule.
+Windows that touch or overlap a started run extend it (a stock stretch inside
+a quote goes with the quote), so a long quotation is removed whole; the span
+is mapped back to the exact characters of the original text (escapes and
+zero-width characters inside it included) so that it can be redacted. Text
+that also occurs in the model's own episodes (`allow_text`) is not a leak: a
+report may quote the model it judges. Runs inside STOCK_LINES (lines every
+screenwriter writes) start nothing.
+
+Why these numbers (bench/leakguard_bench.py; bench/RESULTS.md "Issue 11"):
+on the corpus of tests/corpus (a real screenplay as key, 82 lines of 8+ words
+in 25 disguises) rule 2 alone catches 90.2%, rules 1+2 98.8%; false-positive
+spans on independent real screenplays, on data/example's independent draft
+and on reports that do not quote are 0 with either. The issue asked for any
+8 words whatever they are; that catches 100%, but flags all 10 held-out
+stock lines of 8+ words ("What the hell do you think you're doing?") that an
+independent script shares with the key (1 of 10 with the chosen rule). The
+audit checks the model's own scripts under runs/ with nothing allowed, so
+the literal rule would report stock lines of every run as leaks. What it
+lets through is a line made only of stock words (1 of 82 lines here), which
+teaches the optimizer nothing. At 7 words, length alone does not separate
+cliches ("What the hell are you doing here?" is 7), a content word does.
+data/example's independent draft shares one 8-word run with its human script,
+a scene heading, which rule 1 does not read.
 
 The index holds only hashes, never human text. Python's str hash is salted
 per process, so an index is only meaningful in the process that built it:
@@ -40,62 +56,25 @@ it is cached in memory by content hash and never persisted.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import operator
 import re
 import threading
-import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from skilltrain import textnorm
+from skilltrain.textnorm import Reading
+
 SHINGLE_WORDS = 7
+LONG_RUN_WORDS = 8
 MIN_CONTENT_WORDS = 2
+LONG_MIN_CONTENT_WORDS = 1
 REDACTION_MARKER = "[verbatim answer-key passage removed]"
 
-# Apostrophes join a word ("don't", "don’t" -> "dont"); everything else that is
-# not a letter or digit separates words. Combining marks are part of a word so
-# that decomposed accents (e + U+0301) fold like precomposed ones.
-_APOSTROPHES = "'\u2019\u2018\u02bc"
-# (The underscore, a \w character, is split off when a token is folded: one
-# character class matches faster than an alternation.)
-_WORDCH = r"[\w\u0300-\u036f]"
-_TOKEN = re.compile(rf"{_WORDCH}+(?:[{_APOSTROPHES}]+{_WORDCH}+)*")
-_WORD = re.compile(r"[^\W_]+")
-# In ASCII text, exactly the tokens of `tokens()`, one match each.
-_ASCII_TOKEN = re.compile(r"[A-Za-z0-9]+(?:'+[A-Za-z0-9]+)*")
-_MARKS = re.compile(r"[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
-_DROP_APOSTROPHES = {ord(c): None for c in _APOSTROPHES}
-# Letters that NFKD does not decompose but an English writer types without.
-_LETTERS = str.maketrans({"œ": "oe", "æ": "ae", "ø": "o", "ł": "l", "đ": "d", "ı": "i"})
-
-# Typography that an ASCII character stands for without changing a token:
-# apostrophes stay apostrophes, separators stay separators. One character for
-# one, so offsets carry over.
-_TYPOGRAPHY = (
-    {c: "'" for c in _APOSTROPHES[1:]}
-    | {c: '"' for c in "\u201c\u201d\u201e\u00ab\u00bb\u2032\u2033"}
-    | {c: "-" for c in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"}
-    | {c: " " for c in "\u00a0\u2009\u200a\u202f\u2026\u2022\u00b7"}
-)
-# A regex finds them in C; str.translate would look up every character.
-_TYPOGRAPHY_RE = re.compile("[" + "".join(_TYPOGRAPHY) + "]")
-
-
-def _plain(text: str) -> str:
-    """`text` with its typography in ASCII: same length, same tokens."""
-    if text.isascii():
-        return text
-    return _TYPOGRAPHY_RE.sub(lambda m: _TYPOGRAPHY[m.group()], text)
-
-
-# ASCII fast path: lower-case letters and digits stay, the
-# apostrophe is deleted, everything else becomes a space.
-_ASCII_TABLE = bytes(
-    (c + 32 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32 for c in range(256)
-)
+tokens = textnorm.tokens
 
 # Words that cannot make a shingle distinctive: function words, conversational
 # filler and the commonest verbs of dialogue, in their normalised form.
@@ -145,67 +124,51 @@ fade cu ecu ws ots sfx fx
 """.split()
 )
 
+# Lines of 8+ words that every screenwriter writes: a run inside one of them
+# starts no leak by either rule (it still extends one). The content-word
+# rules already let the all-stock ones pass ("What the hell do you think
+# you're doing?"); these hold words that are not filler.
+STOCK_LINES = (
+    "Get out of here before I call the police.",
+    "It's not what it looks like, I can explain.",
+    "I'm going to need you to calm down.",
+    "Tell me what happened. Start from the beginning.",
+    "You don't know what you're dealing with here.",
+    "I can't believe you would do this to me.",
+    "Whatever happens, I want you to know that I love you.",
+    "What are you doing here in the middle of the night?",
+    "I don't want to talk about it right now.",
+    "There's something I need to tell you about.",
+    "I need you to trust me on this one.",
+    "You have no idea what you're talking about.",
+    "We don't have much time, we have to go.",
+    "Why didn't you tell me about this before?",
+    "I'm not going to tell you again, get out.",
+    "I told you I don't want to see you again.",
+    "Do you have any idea how dangerous that is?",
+    "If you're hearing this, it means I'm already dead.",
+    "I'm not going anywhere until you tell me the truth.",
+    "You're the last person I expected to see here.",
+    "Don't you dare walk away from me when I'm talking to you.",
+    "We're not so different, you and I.",
+    "I've been waiting for this moment for a long time.",
+    "It's been a long time since I've seen you.",
+    "I have no idea what you're talking about.",
+    "You're not going to believe what just happened.",
+    "Promise me you won't tell anyone about this.",
+    "Is there something you want to tell me?",
+)
+
+
+def _stock_runs(n: int) -> frozenset[int]:
+    return frozenset(h for line in STOCK_LINES for h in shingle_hashes(tokens(line), n))
+
+
 _HEADING = re.compile(
     r"^\s*(?:\d+[A-Z]?[.)]?\s+)?(?:INT|EXT|EST|I/E|INT\.?/EXT)\b[.\s/]", re.IGNORECASE
 )
 _CUE_COLON = re.compile(r"^\s*([A-Z][A-Z0-9 .'\u2019\-]{0,40}?)\s*(?:\([^)]*\))?\s*:\s")
 _PARENS = re.compile(r"\([^)\n]*\)")
-
-
-@functools.lru_cache(maxsize=65536)
-def _fold_token(raw: str) -> tuple[str, ...]:
-    """One raw token in its normalised form(s); folding may split it (rarely)."""
-    if raw.isascii():
-        folded = raw.lower().replace("'", "")
-        return (folded,) if "_" not in folded else tuple(w for w in folded.split("_") if w)
-    return tuple(_WORD.findall(_fold_text(raw)))
-
-
-def _fold_text(text: str) -> str:
-    """Case, accents and apostrophes removed from a whole text (length changes)."""
-    text = text.casefold()
-    if not text.isascii():
-        text = _MARKS.sub("", unicodedata.normalize("NFKD", text)).translate(_LETTERS)
-    return text.translate(_DROP_APOSTROPHES)
-
-
-def tokens(text: str) -> list[str]:
-    """The normalised word tokens of a text: letters and digits, apostrophes joining."""
-    text = _plain(text)  # LLM prose: curly quotes and dashes around ASCII words
-    if text.isascii():  # same result, without a Python call per word
-        return text.encode("ascii").translate(_ASCII_TABLE, b"'").decode("ascii").split()
-    out: list[str] = []
-    for raw in _TOKEN.findall(text):
-        out.extend(_fold_token(raw))
-    return out
-
-
-def _tokens_with_offsets(text: str) -> tuple[list[str], list[tuple[int, int]]]:
-    """`tokens(text)` plus the (start, end) character offsets of each in `text`."""
-    toks: list[str] = []
-    spans: list[tuple[int, int]] = []
-    for m in _TOKEN.finditer(text):
-        folded = _fold_token(m.group())
-        if len(folded) == 1:
-            toks.append(folded[0])
-            spans.append(m.span())
-        else:
-            toks.extend(folded)
-            spans.extend([m.span()] * len(folded))
-    return toks, spans
-
-
-def fast_tokens(text: str) -> list[str]:
-    """Nearly `tokens(text)`, faster on long non-ASCII text (for bulk scanning).
-
-    It folds the whole text before splitting it, so it differs from `tokens`
-    only on characters that are not letters but fold into letters ("™" ->
-    "tm", "½" -> "1⁄2"), which no screenplay quote depends on.
-    """
-    text = _plain(text)
-    if text.isascii():
-        return tokens(text)
-    return _WORD.findall(_fold_text(text))
 
 
 def shingle_hashes(toks: Sequence[str], n: int) -> list[int]:
@@ -280,12 +243,22 @@ class _Streams:
             self.free += toks
 
 
-def _digest(work: str, episodes: Mapping[int, str], n: int, min_content: int) -> str:
-    h = hashlib.sha256(f"{work}\0{n}\0{min_content}\0".encode())
+def _digest(work: str, episodes: Mapping[int, str], n: int, min_content: int,
+            long_n: int, long_min_content: int) -> str:
+    h = hashlib.sha256(f"{work}\0{n}\0{min_content}\0{long_n}\0{long_min_content}\0".encode())
     for number in sorted(episodes):
         h.update(f"{number}\0{len(episodes[number])}\0".encode())
         h.update(episodes[number].encode("utf-8", "surrogatepass"))
     return h.hexdigest()
+
+
+def _with_content(hashes: list[int], weak: Sequence[bool], n: int, minimum: int) -> list[int]:
+    """The windows (of n words, hashed) with at least `minimum` words that are not weak."""
+    # Content words per window from a running sum of 0/1 flags.
+    sums = [0, *itertools.accumulate(not w for w in weak)]
+    counts = map(operator.sub, sums[n:], sums)
+    enough = map(operator.le, itertools.repeat(minimum), counts)
+    return list(itertools.compress(hashes, enough))
 
 
 @dataclass(frozen=True, eq=False)
@@ -295,9 +268,12 @@ class HumanIndex:
     work: str
     digest: str
     n: int
+    long_n: int
     n_words: int
-    episode_of: Mapping[int, int]  # shingle hash -> first episode it occurs in
-    seeds: frozenset[int]  # the shingles distinctive enough to start a leak
+    episode_of: Mapping[int, int]  # n-shingle hash -> first episode it occurs in
+    seeds: frozenset[int]  # the n-shingles distinctive enough to start a leak
+    long_runs: frozenset[int]  # every long_n-shingle of the lines
+    long_seeds: frozenset[int]  # those with a word that is not stock: they start a leak
     words: frozenset[int]  # hash of every word: only runs of these can match
 
     @classmethod
@@ -308,15 +284,19 @@ class HumanIndex:
         *,
         n: int = SHINGLE_WORDS,
         min_content: int = MIN_CONTENT_WORDS,
+        long_n: int = LONG_RUN_WORDS,
+        long_min_content: int = LONG_MIN_CONTENT_WORDS,
     ) -> HumanIndex:
-        if n < 1:
-            raise ValueError(f"shingle length must be >= 1, got {n}")
+        if n < 1 or long_n < n:
+            raise ValueError(f"shingle lengths must be 1 <= n <= long_n, got {n}, {long_n}")
         streams = {number: _Streams.of(text) for number, text in episodes.items()}
         names = set().union(*(st.names for st in streams.values()))
         # "Martha's" folds to "marthas": a possessive is as much a name as the name.
         weak_words = _FILLER | _FURNITURE | names | {w + "s" for w in names}
         episode_of: dict[int, int] = {}
         seeds: set[int] = set()
+        long_runs: set[int] = set()
+        long_seeds: set[int] = set()
         words: set[int] = set()
         n_words = 0
         # Last episode first, so that the first episode a shingle occurs in wins.
@@ -329,40 +309,51 @@ class HumanIndex:
             # "auction" in a line of dialogue does.
             full_weak = [f or t in weak_words for t, f in zip(st.full, st.furniture, strict=True)]
             free_weak = [t in weak_words for t in st.free]
+            # Rule 1 reads the lines only: a scene heading or a cue is the
+            # story's (a closed-book writer of the same story names the same
+            # places and people), and "EXT. HILLCREST CARE HOME - CAR PARK -
+            # NIGHT" is 7 words already.
+            long_hashes = shingle_hashes(st.free, long_n)
+            long_runs.update(long_hashes)
+            long_seeds.update(_with_content(long_hashes, free_weak, long_n, long_min_content))
             for toks, weak in ((st.full, full_weak), (st.free, free_weak)):
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
-                # Content words per window from a running sum of 0/1 flags.
-                sums = [0, *itertools.accumulate(not w for w in weak)]
-                counts = map(operator.sub, sums[n:], sums)
-                enough = map(operator.le, itertools.repeat(min_content), counts)
-                seeds.update(itertools.compress(hashes, enough))
+                seeds.update(_with_content(hashes, weak, n, min_content))
+        seeds -= _stock_runs(n)
+        long_seeds -= _stock_runs(long_n)
         return cls(
             work=work,
-            digest=_digest(work, episodes, n, min_content),
+            digest=_digest(work, episodes, n, min_content, long_n, long_min_content),
             n=n,
+            long_n=long_n,
             n_words=n_words,
             episode_of=episode_of,
             seeds=frozenset(seeds),
+            long_runs=frozenset(long_runs),
+            long_seeds=frozenset(long_seeds),
             words=frozenset(words),
         )
 
     def may_match(self, toks: Sequence[str]) -> bool:
-        """False if no distinctive shingle can be in `toks`; True means look closer.
+        """False if no leak can be in `toks`; True means look closer.
 
         For bulk scans (a log is mostly words the screenplay never uses): only
         runs of at least n words that all occur in the human text are hashed.
         """
         known = bytes(map(self.words.__contains__, map(hash, toks)))
         for run in re.finditer(b"\x01{%d,}" % self.n, known):
-            if not self.seeds.isdisjoint(shingle_hashes(toks[run.start() : run.end()], self.n)):
+            part = toks[run.start() : run.end()]
+            if not self.seeds.isdisjoint(shingle_hashes(part, self.n)):
+                return True
+            if not self.long_seeds.isdisjoint(shingle_hashes(part, self.long_n)):
                 return True
         return False
 
     def __repr__(self) -> str:  # the default would print every hash
         return (
-            f"HumanIndex(work={self.work!r}, n={self.n}, words={self.n_words}, "
-            f"shingles={len(self.episode_of)}, seeds={len(self.seeds)})"
+            f"HumanIndex(work={self.work!r}, n={self.n}, long_n={self.long_n}, "
+            f"words={self.n_words}, shingles={len(self.episode_of)}, seeds={len(self.seeds)})"
         )
 
 
@@ -373,7 +364,8 @@ _cache_lock = threading.Lock()
 
 def index_for(work: str, episodes: Mapping[int, str]) -> HumanIndex:
     """The index of this exact text, built once per process (LRU, _CACHE_SIZE works)."""
-    key = _digest(work, episodes, SHINGLE_WORDS, MIN_CONTENT_WORDS)
+    key = _digest(work, episodes, SHINGLE_WORDS, MIN_CONTENT_WORDS, LONG_RUN_WORDS,
+                  LONG_MIN_CONTENT_WORDS)
     with _cache_lock:
         index = _cache.get(key)
         if index is not None:
@@ -405,58 +397,104 @@ class Leak:
     line: int
 
 
-def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "") -> list[Leak]:
+@dataclass(frozen=True)
+class _Allowed:
+    """Shingles of the model's own text: quoting them is not a leak."""
+
+    short: frozenset[int] = frozenset()
+    long: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, text: str, index: HumanIndex) -> _Allowed:
+        if not text:
+            return cls()
+        toks = tokens(text)
+        return cls(frozenset(shingle_hashes(toks, index.n)),
+                   frozenset(shingle_hashes(toks, index.long_n)))
+
+
+def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "",
+               views: Sequence[Reading] | None = None) -> list[Leak]:
     """Every span of `text` that reproduces the indexed human text, in order.
 
     Spans that also occur in `allow_text` (the model's own episodes) are not
-    leaks: a report may quote the model it is judging.
+    leaks: a report may quote the model it is judging. `views`:
+    textnorm.readings(text), when the caller has them already.
     """
-    n = index.n
-    # Same length as text, so offsets carry over; mostly ASCII afterwards.
-    plain = _plain(text)
-    toks = tokens(plain)
-    hashes = shingle_hashes(toks, n)
-    if index.seeds.isdisjoint(hashes):
-        return []  # the common case: no offsets needed
-    all_spans: list[tuple[int, int]] | None = None
-    if not plain.isascii():  # letters beyond ASCII: tokenise with offsets throughout
-        toks, all_spans = _tokens_with_offsets(text)
-        hashes = shingle_hashes(toks, n)
-    allowed = set(shingle_hashes(tokens(allow_text), n)) if allow_text else set()
+    if views is None:
+        views = textnorm.readings(text)
+    return _find(text, views, index, _Allowed.of(allow_text, index))
+
+
+def _find(text: str, views: Sequence[Reading], index: HumanIndex,
+          allowed: _Allowed) -> list[Leak]:
+    spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
+    for k, view in enumerate(views):
+        hashes = shingle_hashes(view.tokens, index.n)
+        if index.episode_of.keys().isdisjoint(hashes):
+            continue  # the common case: no offsets needed
+        found = _token_spans(view.tokens, hashes, index, allowed)
+        if not found:
+            continue
+        wanted = {i for first, last, _ in found for i in (first, last)}
+        if view.text is not text:  # escapes decoded or letters folded: map back
+            view = textnorm.readings(text, offsets=True)[k]
+        where = view.token_spans(wanted)
+        spans += [(where[first][0], where[last][1], episode, last - first + 1)
+                  for first, last, episode in found]
+    return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
+            for s, e, ep, w in _merge_spans(spans)]
+
+
+def _token_spans(toks: Sequence[str], hashes: Sequence[int], index: HumanIndex,
+                 allowed: _Allowed) -> list[tuple[int, int, int]]:
+    """(first token, last token, episode) of every leak, merged, in order."""
+    n, long_n = index.n, index.long_n
     episode_of, seeds = index.episode_of, index.seeds
-    hits = [(i, h) for i, h in enumerate(hashes) if h in episode_of and h not in allowed]
-    found: list[tuple[int, int, int]] = []  # first token, last token, seed hash
-    for run in _runs(hits, n):
+    hits = [(i, h) for i, h in enumerate(hashes) if h in episode_of]
+    found: list[tuple[int, int, int]] = []
+    # Rule 2: a run of touching or overlapping hit windows with a distinctive one.
+    for run in _runs([(i, h) for i, h in hits if h not in allowed.short], n):
         seed = next((h for _, h in run if h in seeds), None)
-        if seed is not None:  # else only stock phrases and furniture: not a leak
-            found.append((run[0][0], run[-1][0] + n - 1, seed))
-    ends = [i for first, last, _ in found for i in (first, last)]
-    where = _ascii_spans(plain, ends) if all_spans is None else {i: all_spans[i] for i in ends}
-    return [
-        Leak(
-            start=where[first][0],
-            end=where[last][1],
-            episode=episode_of[seed],
-            n_words=last - first + 1,
-            line=text.count("\n", 0, where[first][0]) + 1,
-        )
-        for first, last, seed in found
-    ]
+        if seed is not None:  # else only stock phrases and furniture
+            found.append((run[0][0], run[-1][0] + n - 1, episode_of[seed]))
+    # Rule 1: long runs of the human text. Their first n words are a hit, so
+    # only hit positions are hashed again.
+    long_hits = []
+    for i, _ in hits:
+        if i + long_n <= len(toks):
+            long_hash = hash(tuple(toks[i : i + long_n]))
+            if long_hash in index.long_runs and long_hash not in allowed.long:
+                long_hits.append((i, long_hash))
+    for run in _runs(long_hits, long_n):
+        if any(h in index.long_seeds for _, h in run):  # else a stock line alone
+            first = run[0][0]
+            found.append((first, run[-1][0] + long_n - 1, episode_of[hashes[first]]))
+    return _merge_token_spans(found)
 
 
-def _ascii_spans(text: str, wanted: Iterable[int]) -> dict[int, tuple[int, int]]:
-    """(start, end) of the tokens numbered `wanted` in an ASCII text, one pass, no folding."""
-    need = set(wanted)
-    out: dict[int, tuple[int, int]] = {}
-    if not need:
-        return out
-    last = max(need)
-    for i, m in enumerate(_ASCII_TOKEN.finditer(text)):
-        if i in need:
-            out[i] = m.span()
-            if i == last:
-                break
-    return out
+def _merge_token_spans(found: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Spans that overlap or touch (no word between them) become one."""
+    merged: list[tuple[int, int, int]] = []
+    for first, last, episode in sorted(found):
+        if merged and first <= merged[-1][1] + 1:
+            prev = merged[-1]
+            merged[-1] = (prev[0], max(prev[1], last), prev[2])
+        else:
+            merged.append((first, last, episode))
+    return merged
+
+
+def _merge_spans(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Character spans found by two readings of one text, overlapping ones as one."""
+    merged: list[tuple[int, int, int, int]] = []
+    for start, end, episode, words in sorted(spans):
+        if merged and start < merged[-1][1]:
+            prev = merged[-1]
+            merged[-1] = (prev[0], max(prev[1], end), prev[2], max(prev[3], words))
+        else:
+            merged.append((start, end, episode, words))
+    return merged
 
 
 def _runs(hits: list[tuple[int, int]], n: int) -> Iterable[list[tuple[int, int]]]:
@@ -472,11 +510,15 @@ def _runs(hits: list[tuple[int, int]], n: int) -> Iterable[list[tuple[int, int]]
 
 
 def redact(text: str, leaks: Iterable[Leak], marker: str = REDACTION_MARKER) -> str:
-    """`text` with every leaked span replaced by `marker`."""
+    """`text` with every leaked span replaced by `marker`.
+
+    Leaks found against several works (`AnswerKeys.leaks`) may overlap: the
+    cut then runs to the end of the longer one, under one marker.
+    """
     parts: list[str] = []
     pos = 0
     for leak in sorted(leaks, key=lambda k: k.start):
-        if leak.start < pos:  # overlapping spans (from two indexes): extend the cut
+        if leak.start < pos:
             pos = max(pos, leak.end)
             continue
         parts += [text[pos : leak.start], marker]
@@ -485,6 +527,52 @@ def redact(text: str, leaks: Iterable[Leak], marker: str = REDACTION_MARKER) -> 
     return "".join(parts)
 
 
-def leaked_words(leaks: Iterable[Leak]) -> int:
-    """How many words the leaks cover: a measure for the log line."""
-    return sum(leak.n_words for leak in leaks)
+class AnswerKeys:
+    """Every work's index: the check for text that belongs to no one work.
+
+    Log lines, provider error messages and state reasons can carry text of
+    any work (a provider echoes the prompt it was sent), so they are checked
+    against all of them, with no allowed text.
+    """
+
+    def __init__(self, indexes: Iterable[HumanIndex]) -> None:
+        self.indexes = tuple(indexes)
+
+    def leaks(self, text: str) -> list[Leak]:
+        """Leaks of any work, in order; those of two works may overlap."""
+        if not self.indexes:
+            return []
+        views = textnorm.readings(text)
+        if all(len(v.tokens) < index.n for v in views for index in self.indexes):
+            return []  # a word or two: the common log field
+        found: list[Leak] = []
+        for index in self.indexes:
+            if any(index.may_match(v.tokens) for v in views):
+                found += _find(text, views, index, _Allowed())
+        return sorted(found, key=lambda k: k.start)
+
+    def clean(self, text: str, marker: str = REDACTION_MARKER) -> str:
+        """`text` with the passages of every work redacted."""
+        leaks = self.leaks(text)
+        return redact(text, leaks, marker) if leaks else text
+
+
+_installed: AnswerKeys | None = None
+_installed_lock = threading.Lock()
+
+
+def install(keys: AnswerKeys | None) -> None:
+    """Make `keys` the process's answer keys (the daemon, once works are loaded).
+
+    Logging (log._seal_answer_key), provider error messages (llm) and state
+    reasons are checked against them. None: no keys (library log records are
+    then withheld whole).
+    """
+    global _installed
+    with _installed_lock:
+        _installed = keys
+
+
+def installed() -> AnswerKeys | None:
+    """The answer keys installed in this process, None before `install`."""
+    return _installed

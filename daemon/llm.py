@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from typing import Any
 
 import tenacity
 
+from skilltrain import leakguard, textnorm
 from skilltrain.config import BUILTIN_MODEL, LLMConfig
 from skilltrain.errors import LLMError
 
@@ -202,7 +204,10 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         raise
 
 
-ECHO_PROBE_CHARS = 30
+# A provider message sharing this many words in a row with the prompt echoes it.
+ECHO_WORDS = 6
+MESSAGE_CHARS = 200
+WITHHELD = "(message withheld: it quotes the prompt)"
 
 
 def _prompt_text(messages: Sequence[Message]) -> str:
@@ -213,22 +218,44 @@ def _prompt_text(messages: Sequence[Message]) -> str:
             parts.append(content)
         elif isinstance(content, list):
             parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return " ".join(" ".join(parts).split())
+    return "\n".join(parts)
+
+
+def _echoes(message: str, prompt: str) -> bool:
+    """Does `message` repeat ECHO_WORDS words of `prompt` in a row, in any disguise?
+
+    Compared as normalised words (leakguard's normalisation: case,
+    separators, escapes, zero-width characters and look-alikes do not
+    matter), not as substrings: an echo upper-cased, pipe-joined or
+    JSON-escaped is still an echo.
+    """
+    views = textnorm.readings(message) if prompt and message else []
+    said = {h for view in views for h in leakguard.shingle_hashes(view.tokens, ECHO_WORDS)}
+    if not said:
+        return False
+    # A prompt may be megabytes: only its runs of words the message uses are hashed.
+    words = {t for view in views for t in view.tokens}
+    toks = textnorm.tokens(prompt)
+    known = bytes(t in words for t in toks)
+    return any(not said.isdisjoint(leakguard.shingle_hashes(toks[m.start():m.end()], ECHO_WORDS))
+               for m in re.finditer(b"\x01{%d,}" % ECHO_WORDS, known))
 
 
 def _describe(error: BaseException, prompt: str = "") -> str:
-    """Class and status, and the provider's message cut short.
+    """Class and status, and the provider's message if it quotes nothing.
 
     The message is the provider's, not ours: it can echo the request (hence
     the prompt, hence the human text) or a key. It is kept to one line and
-    200 characters, and dropped whole when any 30-character stretch of it
-    occurs in the prompt; log scrubbing removes anything shaped like a key.
+    MESSAGE_CHARS characters, and dropped whole when it shares ECHO_WORDS
+    words in a row with the prompt or holds a passage of any work's answer
+    key (leakguard.installed); log scrubbing removes anything shaped like a
+    key. What is left is checked again by the log and the state store.
     """
     status = getattr(error, "status_code", None)
-    message = " ".join(str(getattr(error, "message", "") or error).split())[:200]
-    if prompt and any(message[i:i + ECHO_PROBE_CHARS] in prompt
-                      for i in range(0, len(message) - ECHO_PROBE_CHARS + 1, 5)):
-        message = "(message withheld: it quotes the prompt)"
+    message = " ".join(str(getattr(error, "message", "") or error).split())[:MESSAGE_CHARS]
+    keys = leakguard.installed()
+    if _echoes(message, prompt) or (keys is not None and keys.leaks(message)):
+        message = WITHHELD
     kind = type(error).__name__
     if getattr(error, "litellm_response_headers", "") is None and "Connection error" in message:
         # litellm reports a refused or dropped connection as a 500 it never got.
@@ -261,7 +288,7 @@ def _completion(response: Any, model: str, attempts: int) -> Completion:
                or getattr(usage, "cache_creation_input_tokens", 0) or 0)
     return Completion(
         text=choice.message.content or "",
-        finish_reason=choice.finish_reason,
+        finish_reason=_finish_reason(choice.finish_reason),
         tokens_in=int(getattr(usage, "prompt_tokens", 0) or 0),
         tokens_out=int(getattr(usage, "completion_tokens", 0) or 0),
         tokens_cached=int(cached),
@@ -269,6 +296,20 @@ def _completion(response: Any, model: str, attempts: int) -> Completion:
         attempts=attempts,
         tokens_cache_write=int(written),
     )
+
+
+_FINISH_REASON = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,39}")
+
+
+def _finish_reason(value: object) -> str | None:
+    """The provider's finish_reason if it looks like one; else only its size.
+
+    It ends up in an error reason (a cut-off report is refused with it), and a
+    provider may put anything there, the prompt included.
+    """
+    if value is None or (isinstance(value, str) and _FINISH_REASON.fullmatch(value)):
+        return value
+    return f"unrecognised ({len(str(value))} chars)"
 
 
 def _cost(response: Any, model: str) -> float | None:

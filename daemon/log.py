@@ -7,49 +7,57 @@ and fields are a stable API: see docs/events.md.
 
 Two things must never reach a line: API keys (scrubbed from every field, from
 exception text, and by value for the keys configured in the environment) and
-the human screenplay (tracebacks render without local variables, where a prompt
-would sit). Context bound with `bound_job` appears in every line logged inside
-it; worker threads do not inherit it, so run jobs through `run_in_context` or
-wrap them with `carry_context` when they are submitted.
+the human screenplay. For the screenplay, at every level, debug included:
 
-Cheap to import: structlog and the standard library only.
+- tracebacks render without local variables, where a prompt would sit;
+- our own events never carry prompt or reply text, only sizes and hashes;
+- a record of a library (litellm, httpx, openai, ...) below INFO is reduced
+  to `library.withheld` with its logger, level, size and sha256: at debug
+  litellm logs whole requests and replies. So is every library record while
+  the process has no answer keys installed (the log is configured before the
+  daemon reads the works, and it cannot check what it cannot compare with);
+- the last step before a line is written checks every string of it (fields,
+  exception text, library messages) against the answer keys of every work
+  (`leakguard.install`, called by the daemon once it has read them) and
+  redacts what it finds, in any encoding textnorm decodes.
+
+Context bound with `bound_job` appears in every line logged inside it;
+worker threads do not inherit it, so a job binds its own.
+
+Cheap to import: structlog, the standard library and the leak guard only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
+import hashlib
 import logging
 import logging.handlers
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TextIO, TypeVar
+from typing import Any, Literal, TextIO
 
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from skilltrain import leakguard
+from skilltrain.dataset import format_range
+
 __all__ = [
     "LEVELS",
     "adopt_library_loggers",
     "bound_job",
-    "carry_context",
     "configure",
-    "fmt_range",
     "get_logger",
-    "run_in_context",
     "scrub",
     "scrub_secrets",
     "shutdown",
 ]
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 LEVELS: Mapping[str, int] = {
     "debug": logging.DEBUG,
@@ -196,6 +204,61 @@ def _cap_exception_text(_logger: WrappedLogger, _name: str, event_dict: EventDic
     return event_dict
 
 
+# ------------------------------------------------------------------ the answer key
+
+
+WITHHELD_EVENT = "library.withheld"
+_OWN_LOGGERS = ("skilltrain",)
+
+
+def _withhold_library_records(_logger: WrappedLogger, _name: str,
+                              event_dict: EventDict) -> EventDict:
+    """A library's record below INFO, or before the answer keys are known: its size and hash.
+
+    Runs first in the formatters, where `_record` is still there. litellm at
+    debug logs every request (the prompt, hence the human text) and reply.
+    """
+    record = event_dict.get("_record")
+    if event_dict.get("_from_structlog") or not isinstance(record, logging.LogRecord):
+        return event_dict
+    if record.name.startswith(_OWN_LOGGERS):
+        return event_dict
+    if record.levelno >= logging.INFO and leakguard.installed() is not None:
+        return event_dict  # checked by _seal_answer_key like every line
+    message = str(event_dict.get("event", ""))
+    kept = {key: event_dict[key] for key in ("timestamp", "_record", "_from_structlog")
+            if key in event_dict}
+    return {
+        **kept,
+        "event": WITHHELD_EVENT,
+        "level": record.levelname.lower(),
+        "logger": record.name,
+        "chars": len(message),
+        "sha256": hashlib.sha256(message.encode("utf-8", "surrogatepass")).hexdigest()[:16],
+        **({"exc_type": record.exc_info[0].__name__}
+           if record.exc_info and record.exc_info[0] is not None else {}),
+    }
+
+
+def _seal(value: Any, keys: leakguard.AnswerKeys) -> Any:
+    if isinstance(value, str):
+        return keys.clean(value)
+    if isinstance(value, Mapping):
+        return {key: _seal(item, keys) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_seal(item, keys) for item in value]
+    return value
+
+
+def _seal_answer_key(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    """Last before rendering: every string of the line checked against every work."""
+    keys = leakguard.installed()
+    if keys is None or not keys.indexes:
+        return event_dict
+    sealed: EventDict = _seal(event_dict, keys)
+    return sealed
+
+
 def _order_keys(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
     first = {key: event_dict.pop(key) for key in _KEY_ORDER if key in event_dict}
     first.update(event_dict)
@@ -240,11 +303,13 @@ def _json_formatter() -> logging.Formatter:
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=_shared_processors(),
         processors=[
+            _withhold_library_records,
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             # Locals off: a frame's locals would carry the prompt and the API key.
             structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
             scrub_secrets,
             _cap_exception_text,  # after scrubbing: a cut must not split a key in two
+            _seal_answer_key,  # last: it sees exactly the text that is written
             _order_keys,
             structlog.processors.JSONRenderer(ensure_ascii=False),
         ],
@@ -255,11 +320,13 @@ def _console_formatter() -> logging.Formatter:
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=_shared_processors(),
         processors=[
+            _withhold_library_records,
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             # Render the traceback to text here (stdlib format: no locals) so the
             # scrubber sees it before ConsoleRenderer prints it.
             structlog.processors.format_exc_info,
             scrub_secrets,
+            _seal_answer_key,
             structlog.dev.ConsoleRenderer(colors=True),
         ],
     )
@@ -371,11 +438,6 @@ def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
 # ----------------------------------------------------------------------------- context
 
 
-def fmt_range(first: int, last: int) -> str:
-    """The `range` field: episodes 1..3 -> "01-03"."""
-    return f"{first:02d}-{last:02d}"
-
-
 @contextlib.contextmanager
 def bound_job(**ctx: Any) -> Iterator[None]:
     """Bind `ctx` (run, epoch, step, work, range, job_id, ...) for the block.
@@ -385,36 +447,6 @@ def bound_job(**ctx: Any) -> Iterator[None]:
     """
     span = ctx.get("range")
     if isinstance(span, tuple) and len(span) == 2:
-        ctx["range"] = fmt_range(*span)
+        ctx["range"] = format_range(*span)
     with structlog.contextvars.bound_contextvars(**ctx):
         yield
-
-
-def _call_bound(fn: Callable[..., R], args: tuple[Any, ...], ctx: dict[str, Any]) -> R:
-    with bound_job(**ctx):
-        return fn(*args)
-
-
-def run_in_context(fn: Callable[..., R], /, *args: Any, **ctx: Any) -> R:
-    """Call `fn(*args)` with `ctx` bound, in a copy of the current context.
-
-    For a worker thread (APScheduler's pool starts jobs with an empty context):
-    `scheduler.add_job(run_in_context, args=[job, key], kwargs={"run": ..., ...})`.
-    Keyword arguments are the log context; use functools.partial for `fn`'s own.
-    """
-    return contextvars.copy_context().run(_call_bound, fn, args, ctx)
-
-
-def carry_context(fn: Callable[P, R]) -> Callable[P, R]:
-    """Wrap `fn` to run in the context captured now (the submitting thread's).
-
-    `pool.submit(carry_context(job), key)` logs with whatever was bound around
-    the submit. Each call runs in its own copy, so calls never share bindings.
-    """
-    captured = contextvars.copy_context()
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        return captured.copy().run(fn, *args, **kwargs)
-
-    return wrapper

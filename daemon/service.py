@@ -139,6 +139,7 @@ class Daemon:
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
+        self._install_answer_keys()
         self._check_human_ranges()
         self.state.load()
         if self.cfg.metrics.listen and not self.once:
@@ -162,6 +163,14 @@ class Daemon:
         self.emit("daemon.ready", observer=self.watcher.kind or "none")
         if self.cfg.integrity.audit_on_start and not self.once:
             threading.Thread(target=self.audit, name="audit", daemon=True).start()
+
+    def _install_answer_keys(self) -> None:
+        """Every work's index, for what belongs to no one work: log lines, error reasons."""
+        from skilltrain import leakguard
+
+        leakguard.install(leakguard.AnswerKeys(
+            leakguard.index_for(name, episodes) for name, work in sorted(self.works.items())
+            if (episodes := work.read_all_human())))
 
     def audit(self) -> None:
         """Full leak audit of runs/; hits are logged without their text.
@@ -190,7 +199,10 @@ class Daemon:
             new[str(path)] = [st.st_size, st.st_mtime_ns, st.st_ino]
             return old.get(str(path)) == new[str(path)]
 
-        result = audit.scan(self.runs, indexes, unchanged=unchanged)
+        result = audit.scan(self.runs, indexes, unchanged=unchanged,
+                            data_root=self.cfg.paths.data)
+        for link in result.links:
+            self.emit("audit.link", level="error", file=str(link.file), target=str(link.target))
         for hit in result.hits:
             new.pop(str(hit.file), None)  # never remembered as clean
             self.emit("audit.leak", level="error", file=str(hit.file), line=hit.line,
@@ -198,8 +210,9 @@ class Daemon:
         new.pop(str(cache_path), None)
         with contextlib.suppress(OSError):
             atomic.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
-        self.emit("audit.completed", level="warning" if result.hits else "info",
+        self.emit("audit.completed", level="warning" if result.hits or result.links else "info",
                   files=result.files, skipped=result.skipped, leaks=len(result.hits),
+                  links=len(result.links),
                   errors=len(result.errors), duration_ms=int((time.monotonic() - t0) * 1000))
 
     def _own_dirs(self) -> list[Path]:

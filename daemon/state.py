@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain import atomic
+from skilltrain import atomic, leakguard
 from skilltrain.layout import STATE_DIR
 
 STATE_FILE = "state.json"
@@ -116,7 +116,12 @@ class StateStore:
             rec = self.sets.get(set_id) or SetRecord(state=state)
             if rec.state != state or changes:
                 rec.state = state
+                keys = leakguard.installed()
                 for name, value in changes.items():
+                    # A reason may hold a provider's or a library's words: it is
+                    # checked against every work like a log line.
+                    if isinstance(value, str) and keys is not None:
+                        value = keys.clean(value)
                     setattr(rec, name, value)
                 rec.updated_at = time.time()
                 self.sets[set_id] = rec

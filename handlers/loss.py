@@ -154,9 +154,10 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
-    report, leaks = _guard(report, job, human, model, on_leak)
-    if leakguard.find_leaks(archive, leakguard.index_for(job.work.name, human),
-                            allow_text=model_block):
+    # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
+    answer_key = leakguard.index_for(job.work.name, {**job.work.read_all_human(), **human})
+    report, leaks = _guard(report, job, answer_key, model, on_leak)
+    if leakguard.find_leaks(archive, answer_key, allow_text=model_block):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
         raise RefusedError(f"template {template.path} renders human screenplay "
@@ -222,10 +223,9 @@ def _placeholder(human: dict[int, str]) -> str:
             f"sha256 {dataset.episodes_digest(human)[:16]}. The answer key never enters runs/.]")
 
 
-def _guard(report: str, job: LossJob, human: dict[int, str], model: dict[int, str],
+def _guard(report: str, job: LossJob, index: leakguard.HumanIndex, model: dict[int, str],
            on_leak: str) -> tuple[str, int]:
     """Redact or refuse verbatim answer-key passages in the report."""
-    index = leakguard.index_for(job.work.name, human)
     leaks = leakguard.find_leaks(report, index, allow_text="\n".join(model.values()))
     if not leaks:
         return report, 0

@@ -59,3 +59,20 @@ def llm_server() -> Iterator[LLMServer]:
 def llm_model() -> str:
     """The litellm model id to use with `llm_server` (pass api_base=llm_server.url)."""
     return LOOPBACK_MODEL
+
+
+@pytest.fixture(autouse=True)
+def _answer_keys_reset() -> Iterator[None]:
+    """A daemon installs the answer keys process-wide; no test inherits another's."""
+    from skilltrain import leakguard
+
+    yield
+    leakguard.install(None)
+
+
+@pytest.fixture
+def answer_keys() -> None:
+    """Answer keys installed but empty: library log records are checked, not withheld."""
+    from skilltrain import leakguard
+
+    leakguard.install(leakguard.AnswerKeys(()))

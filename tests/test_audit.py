@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from skilltrain import audit, leakguard
-from skilltrain.audit import Hit, audit_tree
+from skilltrain.audit import Hit
 
 HUMAN_EP3 = """\
 INT. LIGHTHOUSE - LAMP ROOM - NIGHT
@@ -42,6 +42,10 @@ TOMAS
 (beat)
 Grandfather lied in the logbook. I read it.
 """
+
+
+def audit_tree(root: Path, indexes: list[leakguard.HumanIndex]) -> list[Hit]:
+    return audit.scan(root, indexes).hits
 
 
 @pytest.fixture()
@@ -134,20 +138,38 @@ def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     }
 
 
-def test_symlinks_are_not_followed(tmp_path: Path, index: leakguard.HumanIndex) -> None:
-    outside = tmp_path / "data"
-    outside.mkdir()
-    human = outside / "ep03.txt"
+def test_symlinks_are_followed_and_links_into_data_reported(
+    tmp_path: Path, index: leakguard.HumanIndex, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    (data / "lighthouse" / "human").mkdir(parents=True)
+    human = data / "lighthouse" / "human" / "ep03.txt"
     human.write_text(HUMAN_EP3, encoding="utf-8")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "copy.txt").write_text(HUMAN_EP3, encoding="utf-8")
     root = _clean_tree(tmp_path / "runs")
-    (root / "link_to_human.txt").symlink_to(human)
-    (root / "link_to_data").symlink_to(outside, target_is_directory=True)
     (root / "dangling").symlink_to(tmp_path / "nowhere")
-    assert audit_tree(root, [index]) == []
-    # The same file copied in (not linked) is found: the scan would see it.
-    (root / "copy.txt").write_bytes(human.read_bytes())
-    (hit,) = audit_tree(root, [index])
-    assert (hit.file.name, hit.line, hit.n_words) == ("copy.txt", 1, index.n_words)
+    (root / "loop").symlink_to(root, target_is_directory=True)  # walked once
+    assert audit.run(root, WORKS, as_json=False, data_root=data) == 0
+    capsys.readouterr()
+
+    (root / "link_to_human.txt").symlink_to(human)
+    (root / "link_to_data").symlink_to(data, target_is_directory=True)
+    (root / "link_elsewhere").symlink_to(elsewhere, target_is_directory=True)
+    result = audit.scan(root, [index], data_root=data)
+    assert sorted(link.file.name for link in result.links) == ["link_to_data", "link_to_human.txt"]
+    # A link to a file outside data/ is read as that file, reported under the link.
+    (hit,) = result.hits
+    assert hit.file == root / "link_elsewhere" / "copy.txt"
+    assert hit.n_words == index.n_words
+    assert audit.run(root, WORKS, as_json=False, data_root=data) == 1
+    out = capsys.readouterr().out
+    assert "link_to_human.txt: symlink into the answer key's folder" in out
+    assert "2 symlink(s) into data/" in out
+    # Without a data folder to compare with, the link's content is still scanned.
+    (root / "link_elsewhere").unlink()
+    assert {h.file.name for h in audit_tree(root, [index])} == {"link_to_human.txt", "ep03.txt"}
 
 
 def test_fifo_is_skipped(tmp_path: Path, index: leakguard.HumanIndex) -> None:
@@ -189,11 +211,23 @@ def test_large_log_is_fast_enough(tmp_path: Path, index: leakguard.HumanIndex) -
     assert [h.line for h in result.hits] == [80_001]
 
 
-def test_unescape_keeps_lines() -> None:
-    text = 'a\\nb\\"c\\u2019d\\\\n\\x41\nnext \\\\\\"q\\\\\\"'
-    out = audit.unescape(text)
-    assert out.count("\n") == text.count("\n") == 1
-    assert out == 'a b"c\u2019d A\nnext "q"'
+def test_every_encoding_is_found_with_its_line(tmp_path: Path,
+                                               index: leakguard.HumanIndex) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    disguised = [
+        LINE.upper(),
+        "|".join(LINE.split()),
+        "\u200b".join(LINE.split()),
+        LINE.replace("e", "\u0435").replace("o", "\u043e"),  # Cyrillic look-alikes
+        LINE.replace(" ", "&nbsp;").replace("'", "&#x27;"),
+        json.dumps(json.dumps(LINE)),  # JSON inside JSON
+        "".join(f"%{b:02X}" for b in LINE.encode()),
+        "\u00ad".join(LINE),  # a soft hyphen between every letter
+    ]
+    (root / "mixed.log").write_text("head\n" + "\nok\n".join(disguised) + "\n", "utf-8")
+    hits = audit_tree(root, [index])
+    assert [h.line for h in hits] == [2 + 2 * i for i in range(len(disguised))]
 
 
 def test_no_works_or_no_runs_is_not_clean(

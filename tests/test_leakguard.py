@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from skilltrain import leakguard
+from skilltrain import leakguard, textnorm
 from skilltrain.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
 
 # A human screenplay written for these tests (two episodes).
@@ -169,7 +169,6 @@ def test_quoted_lines_found_and_redacted(index: HumanIndex) -> None:
         assert quote.rstrip(".") not in redacted
     assert "penny" not in redacted
     assert find_leaks(redacted, index) == []
-    assert leakguard.leaked_words(leaks) == sum(k.n_words for k in leaks)
 
 
 def test_quotes_of_the_model_are_allowed(index: HumanIndex) -> None:
@@ -188,7 +187,10 @@ def test_quotes_of_the_model_are_allowed(index: HumanIndex) -> None:
     leaks = find_leaks(leaking, index, allow_text=model_with_line)
     # What the model did not write ("to Hollis") is human text the report
     # reproduces; the words the model wrote before it stay.
-    assert [_span(leaking, k) for k in leaks] == ["again, Walter. The goats are halfway to Hollis"]
+    # (rule 1: "open ... halfway to" is 8 human words the model did not write.)
+    assert [_span(leaking, k) for k in leaks] == [
+        "open again, Walter. The goats are halfway to Hollis"
+    ]
     assert redact(report, find_leaks(report, index, allow_text=MODEL_EP1)) == report
 
 
@@ -202,8 +204,21 @@ def test_stock_phrases_are_not_leaks() -> None:
     report = "\n".join(
         f"Both versions use the line {phrase!r}, which is fine." for phrase in STOCK_PHRASES
     )
-    report += "\n" + " ".join(STOCK_PHRASES) + "\n" + "\n".join(STOCK_PHRASES)
+    # Run together with a word between them: each alone is stock. (Side by
+    # side, "here?" + "I don't know what you're talking about" would be 8
+    # words in a row of HUMAN_STOCK, a leak by rule 1.)
+    report += "\n" + " so ".join(STOCK_PHRASES) + "\n" + "\nso ".join(STOCK_PHRASES)
     assert find_leaks(report, index) == []
+    # In the script's order they are its exchange, 8+ words in a row, but every
+    # word is stock: rule 1 needs one that is not. One more line, and the
+    # stock run around it goes with it.
+    in_order = "MARTHA: " + " ".join(STOCK_PHRASES[8:14])
+    assert find_leaks(in_order, index) == []
+    goats = HumanIndex.build("stock", {1: HUMAN_STOCK.replace("here!", "here, goats!")})
+    exchange = " ".join(STOCK_PHRASES[8:14]).replace("here!", "here, goats!")
+    text = f"Report: {exchange} I don't know what you're talking about. Fine."
+    (leak,) = find_leaks(text, goats)
+    assert _span(text, leak) == exchange + " I don't know what you're talking about"
     # The long ones are in the index (matched), just not distinctive enough to
     # start a leak; without the content-word rule they would be flagged.
     long = [p for p in STOCK_PHRASES if len(leakguard.tokens(p)) >= index.n]
@@ -212,7 +227,8 @@ def test_stock_phrases_are_not_leaks() -> None:
         assert set(leakguard.shingle_hashes(leakguard.tokens(phrase), index.n)) <= set(
             index.episode_of
         )
-    unfiltered = HumanIndex.build("stock", {1: HUMAN_STOCK, 2: HUMAN_EP1}, min_content=0)
+    unfiltered = HumanIndex.build("stock", {1: HUMAN_STOCK, 2: HUMAN_EP1}, min_content=0,
+                                  long_n=99)
     assert find_leaks(report, unfiltered) != []
     # The same report with one distinctive line is flagged: the index works.
     flagged = f"{report}\nAnd: the money in the biscuit tin was never yours to spend.\n"
@@ -297,18 +313,23 @@ def test_index_holds_no_human_text(index: HumanIndex) -> None:
     assert index.n_words == len(leakguard.tokens(HUMAN_EP1)) + len(leakguard.tokens(HUMAN_EP2))
 
 
-def test_fast_tokens_match_tokens() -> None:
+def test_token_spans_match_tokens() -> None:
     samples = [
         HUMAN_EP1,
-        "Don’t — STOP! l'été, naïve café, O'Brien's 42nd_street, ß ﬁne",
+        "Don’t — STOP! l'été, naïve café, O'Brien's 42nd_street, ß ﬁne",
         "‘quoted’ rock 'n' roll, a''b, x ʼyʼ, 'tis “so”… ok",
         '{"msg": "tab\\there", "x": [1, 2]}',
+        "fa\u200bther &amp;rsquo; %E2%80%99 \\u00e9t\\u00e9 Тhе",
     ]
     for text in samples:
-        assert leakguard.fast_tokens(text) == leakguard.tokens(text)
-        toks, spans = leakguard._tokens_with_offsets(text)
-        assert toks == leakguard.tokens(text)
-        assert all(text[a:b].strip() for a, b in spans)
+        fast = textnorm.readings(text)
+        mapped = textnorm.readings(text, offsets=True)
+        assert [r.tokens for r in fast] == [r.tokens for r in mapped]
+        for r in mapped:
+            spans = r.token_spans()
+            assert len(spans) == len(r.tokens)
+            assert all(text[a:b].strip() for a, b in spans.values())
+            assert r.token_spans({1, 3}) == {i: spans[i] for i in (1, 3) if i in spans}
     assert leakguard.tokens("Don’t STOP-now, café foo_bar a''b") == [
         "dont", "stop", "now", "cafe", "foo", "bar", "ab",
     ]  # fmt: skip
@@ -347,3 +368,73 @@ def _timed(fn: object) -> float:
     elapsed = time.perf_counter() - start
     assert len(leaks) == 1
     return elapsed
+
+
+# Two distinctive lines of HUMAN_EP1 that are not next to each other there.
+LINE_A = "The money in the biscuit tin was never yours to spend."
+LINE_B = "Your father sold this same tractor to my father for a handshake and a pie."
+
+
+def test_touching_quotes_merge_into_one_span(index: HumanIndex) -> None:
+    # Back to back, the last window of A and the first of B touch (no word
+    # between): one passage, one marker. A window is n words, so "touch"
+    # means the next hit starts exactly n words after the previous one.
+    touching = f"Both: {LINE_A} {LINE_B} End."
+    (leak,) = find_leaks(touching, index)
+    assert _span(touching, leak) == f"{LINE_A} {LINE_B}".rstrip(".")
+    assert redact(touching, [leak]) == f"Both: {REDACTION_MARKER}. End."
+    # A stock line (no seed of its own) touching a quote goes with it.
+    stock = "I don't know what you're talking about"
+    extended = f"{LINE_A} {stock}. End."
+    (leak,) = find_leaks(extended, index)
+    assert _span(extended, leak) == f"{LINE_A} {stock}"
+    assert find_leaks(f"So: {stock}. End.", index) == []
+    # One word between them: two passages, the word stays.
+    apart = f"Both: {LINE_A} and {LINE_B} End."
+    first, second = find_leaks(apart, index)
+    assert redact(apart, [first, second]) == (
+        f"Both: {REDACTION_MARKER}. and {REDACTION_MARKER}. End.")
+
+
+def test_overlapping_windows_make_one_span_per_quote(index: HumanIndex) -> None:
+    report = f"x {LINE_B} y"
+    (leak,) = find_leaks(report, index)  # 9 overlapping windows, one passage
+    assert leak.n_words == len(leakguard.tokens(LINE_B))
+
+
+def test_span_merging_rules() -> None:
+    merge = leakguard._merge_token_spans
+    assert merge([(8, 15, 2), (0, 7, 1)]) == [(0, 15, 1)]  # touching
+    assert merge([(0, 7, 1), (9, 15, 1)]) == [(0, 7, 1), (9, 15, 1)]  # a word between
+    assert merge([(0, 9, 1), (3, 7, 2), (5, 12, 1)]) == [(0, 12, 1)]  # overlapping
+    chars = leakguard._merge_spans
+    assert chars([(10, 20, 1, 3), (0, 12, 2, 4)]) == [(0, 20, 2, 4)]
+    assert chars([(0, 10, 1, 3), (10, 20, 1, 3)]) == [(0, 10, 1, 3), (10, 20, 1, 3)]
+
+
+def test_answer_keys_of_two_works_overlap_under_one_marker() -> None:
+    # Two works share a passage (a public-domain poem both quote, say); a
+    # report quoting more than either holds gets overlapping leaks from the
+    # two indexes, and redact cuts their union under one marker.
+    shared = "the woods are lovely dark and deep but I have promises to keep"
+    first = HumanIndex.build("frost1", {1: f"ADA\nWhispering {shared} tonight again.\n"})
+    second = HumanIndex.build("frost2", {1: f"TOM\n{shared} and miles to go before I sleep.\n"})
+    keys = leakguard.AnswerKeys([first, second])
+    text = f"Note: Whispering {shared} and miles to go before I sleep. Done."
+    leaks = keys.leaks(text)
+    assert len(leaks) == 2 and leaks[1].start < leaks[0].end  # they overlap
+    assert keys.clean(text) == f"Note: {REDACTION_MARKER}. Done."
+    assert keys.clean("a short field") == "a short field"
+    assert leakguard.AnswerKeys([]).leaks(text) == []
+
+
+def test_long_run_of_common_words_is_a_leak_alone() -> None:
+    # No 7-word window of it holds two content words (rule 2 cannot start),
+    # but 8 human words in a row with one that is not stock (rule 1) can.
+    human = {1: "JANE\nWhat in the world is wrong with her? She had a walk this morning.\n"}
+    rule2_only = HumanIndex.build("w", human, long_n=99)
+    both = HumanIndex.build("w", human)
+    report = "She asks what in the world is wrong with her, she had a walk this morning!"
+    assert find_leaks(report, rule2_only) == []
+    (leak,) = find_leaks(report, both)
+    assert _span(report, leak) == "what in the world is wrong with her, she had a walk this morning"

@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from skilltrain import log as slog
-from skilltrain.log import bound_job, carry_context, configure, get_logger, run_in_context, scrub
+from skilltrain.log import bound_job, configure, get_logger, scrub
 
 
 class FakeTTY(io.StringIO):
@@ -72,29 +71,25 @@ def test_json_lines_carry_utc_timestamp_level_event_and_bound_context(log_file: 
     ]
 
 
-def test_context_reaches_worker_threads_only_through_the_helpers(log_file: Path) -> None:
+def test_context_does_not_reach_worker_threads_unless_bound_there(log_file: Path) -> None:
     configure(log_file=log_file, stderr=io.StringIO())
     logger = get_logger()
 
-    def job(tag: str) -> str:
-        logger.info("loss.started", tag=tag)
-        return threading.current_thread().name
+    def job(tag: str, **ctx: object) -> None:
+        with bound_job(**ctx):
+            logger.info("loss.started", tag=tag)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         with bound_job(run="r1", epoch=3, step=4, work="bob", range="04-06"):
-            plain = pool.submit(job, "plain").result()
-            carried = pool.submit(carry_context(job), "carried").result()
-        ran = pool.submit(run_in_context, job, "explicit", run="r2", epoch=5, step=6).result()
-        after = pool.submit(job, "after").result()
-    assert plain != threading.current_thread().name and plain == carried == ran == after
+            pool.submit(job, "plain").result()
+            pool.submit(job, "bound", run="r2", range=(4, 6)).result()
+        pool.submit(job, "after").result()
 
     by_tag = {line["tag"]: line for line in read_lines(log_file)}
     # The pitfall itself: a plain thread does not inherit bind_contextvars.
     assert "run" not in by_tag["plain"]
-    assert (by_tag["carried"]["run"], by_tag["carried"]["range"]) == ("r1", "04-06")
-    assert (by_tag["explicit"]["run"], by_tag["explicit"]["step"]) == ("r2", 6)
-    # run_in_context left nothing behind in the pool thread.
-    assert "run" not in by_tag["after"]
+    assert (by_tag["bound"]["run"], by_tag["bound"]["range"]) == ("r2", "04-06")
+    assert "run" not in by_tag["after"]  # bound_job left nothing behind in the pool thread
 
 
 def test_rename_rotation_sends_new_lines_to_the_new_file(log_file: Path) -> None:
@@ -177,7 +172,8 @@ def test_long_exception_text_is_capped(log_file: Path) -> None:
     assert len(value) < 1100 and value.endswith("[4000 chars cut]")
 
 
-def test_secrets_are_scrubbed_everywhere(log_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_secrets_are_scrubbed_everywhere(log_file: Path, monkeypatch: pytest.MonkeyPatch,
+                                         answer_keys: None) -> None:
     # A configured key with no telltale shape: only its value identifies it.
     monkeypatch.setenv("SKILLTRAIN_TEST_API_KEY", "plainlookingvalue42")
     tty = FakeTTY()
@@ -257,7 +253,7 @@ def test_console_on_a_tty_json_otherwise(log_file: Path) -> None:
     assert "\x1b[" in pipe.getvalue()
 
 
-def test_level_and_noisy_third_party_loggers(log_file: Path) -> None:
+def test_level_and_noisy_third_party_loggers(log_file: Path, answer_keys: None) -> None:
     configure(log_file=log_file, level="info", stderr=io.StringIO())
     get_logger().debug("scan.detail")
     logging.getLogger("httpx").info("HTTP Request: POST http://127.0.0.1/v1")
@@ -268,8 +264,14 @@ def test_level_and_noisy_third_party_loggers(log_file: Path) -> None:
 
     configure(log_file=log_file, level="debug", stderr=io.StringIO())
     logging.getLogger("httpx").info("HTTP Request: again")
+    logging.getLogger("httpx").debug("request body: <the prompt>")
     get_logger().debug("scan.detail")
-    assert [x["event"] for x in read_lines(log_file)][-2:] == ["HTTP Request: again", "scan.detail"]
+    *_, again, withheld, detail = read_lines(log_file)
+    assert (again["event"], detail["event"]) == ("HTTP Request: again", "scan.detail")
+    # Below INFO a library's record is its size and hash, never its text.
+    assert withheld == {**withheld, "event": "library.withheld", "level": "debug",
+                        "logger": "httpx", "chars": 26}
+    assert "prompt" not in json.dumps(withheld)
 
 
 def test_bad_level_is_refused(log_file: Path) -> None:

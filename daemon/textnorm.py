@@ -1,0 +1,290 @@
+"""One normalisation of text for the leak guard and the audit.
+
+A quote of the answer key must be found however it is dressed: in upper
+case, with curly quotes, accents, HTML entities (`&#x27;`, `&rsquo;`,
+`&amp;rsquo;`), JSON or Python escapes (`\\u2019`, `\\xe9`, `\\"`), URL
+encoding (`%E2%80%99`), zero-width characters or soft hyphens inside words,
+words joined by zero-width joiners, or letters swapped for their Cyrillic or
+Greek look-alikes. The guard (before a report is written) and the audit
+(after the fact) see text through this one module, so what one finds the
+other finds.
+
+Steps, in order:
+1. escapes decoded: HTML entities, \\uXXXX \\UXXXXXXXX \\xHH and the one-letter
+   escapes (\\n \\t \\" ...), %XX runs that form UTF-8 characters; repeated
+   while anything changes (up to DECODE_LEVELS: `&amp;#x27;`, a JSON string
+   inside a JSON log line). Decoded control characters separate words.
+2. every non-ASCII character folded on its own: format characters (category
+   Cf: zero-width space and joiners, soft hyphen, word joiner, BOM, bidi
+   marks) removed -- or, in the second reading, made a word separator;
+   look-alike letters to Latin; typography to ASCII (’ -> ', — -> -, nbsp ->
+   space); NFKC (full-width letters, ligatures); case folded; accents
+   stripped (NFKD without combining marks); œ æ ø ł đ ı spelled out.
+3. ASCII lower-cased; words are runs of letters and digits, apostrophes
+   joining ("don't" -> "dont").
+
+A format character may sit inside a word ("fa<ZWSP>ther") or between words
+("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
+text that has one is read twice, once with them removed and once with them
+as separators, and a quote found in either reading counts.
+
+Every character of a reading remembers the span of original characters it
+came from, so a word found in the normalised text maps back to the exact
+characters of the original (an entity, an escape, a zero-width character
+inside the word included) and the redaction cuts precisely those.
+
+The common case -- ASCII prose without `&`, `\\` or `%` escapes -- is one C
+call per step: bytes.translate and str.split, no Python loop per word.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DECODE_LEVELS = 4
+
+_APOSTROPHE = "'"
+# One pattern per escape family, each with a literal first character: the
+# regex engine then skips ahead to it (a JSON log has only backslashes).
+_ESCAPES = (
+    ("\\", re.compile(
+        r"\\(?:u\{[0-9a-fA-F]{1,6}\}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|x[0-9a-fA-F]{2}"
+        r"|[nrtbfv0\"'\\/`])")),
+    ("&", re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")),
+    # %XX runs that form one UTF-8 character (1 to 4 bytes)
+    ("%", re.compile(
+        r"%(?:[0-7][0-9a-fA-F]"
+        r"|[cdCD][0-9a-fA-F]%[89abAB][0-9a-fA-F]"
+        r"|[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
+        r"|[fF][0-7](?:%[89abAB][0-9a-fA-F]){3})")),
+)
+_ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": " "}
+
+
+def _decode(m: re.Match[str]) -> str:
+    """One escape, decoded; control characters and broken ones become a space."""
+    s = m.group()
+    if s[0] == "\\":  # the common case in a JSON log: one call, no loop
+        if s[1] not in "uUx":
+            return _ONE_LETTER.get(s[1], s[1])
+        code = int(s[2:].strip("{}"), 16)
+        out = chr(code) if code <= 0x10FFFF else " "
+        return out if out.isprintable() else " "
+    if s[0] == "&":
+        out = html.unescape(s)
+    else:
+        out = bytes.fromhex(s.replace("%", "")).decode("utf-8", "replace")
+    return "".join(c if c.isprintable() or c == " " else " " for c in out) or " "
+
+
+# Letters that look like Latin ones, mapped to them (lower case: folded after).
+_LOOKALIKES = str.maketrans({
+    # Cyrillic
+    "а": "a", "в": "b", "е": "e", "ё": "e", "к": "k", "м": "m", "н": "h", "о": "o",
+    "р": "p", "с": "c", "т": "t", "у": "y", "х": "x", "і": "i", "ї": "i", "ј": "j",
+    "ѕ": "s", "ԁ": "d", "һ": "h", "ԛ": "q", "ԝ": "w", "ӏ": "l", "ь": "b", "ɡ": "g",
+    "А": "a", "В": "b", "Е": "e", "Ё": "e", "К": "k", "М": "m", "Н": "h", "О": "o",
+    "Р": "p", "С": "c", "Т": "t", "У": "y", "Х": "x", "І": "i", "Ї": "i", "Ј": "j",
+    "Ѕ": "s", "Һ": "h", "Ԛ": "q", "Ԝ": "w", "Ӏ": "l",
+    # Greek
+    "α": "a", "β": "b", "ε": "e", "ι": "i", "κ": "k", "ν": "v", "ο": "o", "ρ": "p",
+    "τ": "t", "υ": "u", "χ": "x", "ϲ": "c", "ϳ": "j",
+    "Α": "a", "Β": "b", "Ε": "e", "Ζ": "z", "Η": "h", "Ι": "i", "Κ": "k", "Μ": "m",
+    "Ν": "n", "Ο": "o", "Ρ": "p", "Τ": "t", "Υ": "y", "Χ": "x", "Ϲ": "c",
+})
+# Typography an ASCII character stands for without changing a word.
+_TYPOGRAPHY = (
+    {c: _APOSTROPHE for c in "\u2019\u2018\u02bc\u2032\uff07"}
+    | {c: '"' for c in "\u201c\u201d\u201e\u00ab\u00bb\u2033"}
+    | {c: "-" for c in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"}
+    | {c: " " for c in "\u00a0\u2009\u200a\u202f\u2026\u2022\u00b7\u3000"}
+)
+# Letters that NFKD does not decompose but an English writer types without.
+_LETTERS = str.maketrans({"œ": "oe", "æ": "ae", "ø": "o", "ł": "l", "đ": "d", "ı": "i"})
+_MARKS = re.compile(r"[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe00-\ufe2f]+")
+
+
+def _fold_char(ch: str, format_as: str) -> str:
+    """One non-ASCII character in its normalised form (any length, maybe empty)."""
+    if unicodedata.category(ch) == "Cf":
+        return format_as
+    if ch in _TYPOGRAPHY:
+        return _TYPOGRAPHY[ch]
+    ch = ch.translate(_LOOKALIKES)
+    s = unicodedata.normalize("NFKC", ch).casefold()
+    if not s.isascii():
+        s = _MARKS.sub("", unicodedata.normalize("NFKD", s)).translate(_LETTERS)
+        s = "".join(_TYPOGRAPHY.get(c, c) for c in s.translate(_LOOKALIKES))
+    return s
+
+
+class _FoldTable(dict[int, str]):
+    """str.translate table that folds each character the first time it is seen."""
+
+    def __init__(self, format_as: str) -> None:
+        super().__init__()
+        self.format_as = format_as
+
+    def fold_run(self, m: re.Match[str]) -> str:
+        """A run of non-ASCII characters, folded (one translate per run)."""
+        return m.group().translate(self)
+
+    def fold_match(self, m: re.Match[str]) -> str:
+        """The folded form of a one-character match, for `_sub`."""
+        return self[ord(m.group())]
+
+    def __missing__(self, code: int) -> str:
+        ch = chr(code)
+        folded = ch if code < 128 else _fold_char(ch, self.format_as)
+        self[code] = folded
+        return folded
+
+
+_JOIN = _FoldTable("")  # format characters removed: inside a word
+_SPLIT = _FoldTable(" ")  # format characters as separators: between words
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
+# Every format character (category Cf): a text with none is read once.
+_FORMAT = re.compile(
+    "["
+    + "".join(re.escape(chr(c)) for c in range(0x80, 0x10000)
+              if unicodedata.category(chr(c)) == "Cf")
+    + "\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
+    + "\U0001d173-\U0001d17a\U000e0001-\U000e007f]"
+)
+_ASCII_UPPER = str.maketrans({chr(c): chr(c + 32) for c in range(65, 91)})
+# ASCII: letters and digits stay (lower-cased), the apostrophe goes, the rest separates.
+_ASCII_TABLE = bytes(
+    (c + 32 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32 for c in range(256)
+)
+_WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
+
+
+@dataclass
+class Reading:
+    """One normalised reading of a text: its words, and where each came from.
+
+    `starts[i]`/`ends[i]`: the span of original characters that produced
+    character i of `text` (None while no escape was decoded and no character
+    folded: then text and original share offsets).
+    """
+
+    original: str
+    text: str
+    starts: list[int] | None = None
+    ends: list[int] | None = None
+    tokens: list[str] = field(default_factory=list)
+
+    def token_spans(self, wanted: set[int] | None = None) -> dict[int, tuple[int, int]]:
+        """(start, end) in the original text of the tokens numbered `wanted` (default all)."""
+        spans: dict[int, tuple[int, int]] = {}
+        last = max(wanted) if wanted else -1
+        starts, ends = self.starts, self.ends
+        for i, m in enumerate(_WORD.finditer(self.text)):
+            if wanted is None or i in wanted:
+                s, e = m.span()
+                spans[i] = (s, e) if starts is None or ends is None else (starts[s], ends[e - 1])
+                if i == last:
+                    break
+        return spans
+
+
+def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], text: str,
+         starts: list[int], ends: list[int]) -> tuple[str, list[int], list[int]]:
+    """pattern.sub with the origin of every output character carried along."""
+    out: list[str] = []
+    new_starts: list[int] = []
+    new_ends: list[int] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        s, e = m.span()
+        out.append(text[pos:s])
+        new_starts += starts[pos:s]
+        new_ends += ends[pos:s]
+        r = repl(m)
+        out.append(r)
+        new_starts += [starts[s]] * len(r)
+        new_ends += [ends[e - 1]] * len(r)
+        pos = e
+    out.append(text[pos:])
+    new_starts += starts[pos:]
+    new_ends += ends[pos:]
+    return "".join(out), new_starts, new_ends
+
+
+def _decode_escapes(text: str, starts: list[int] | None,
+                    ends: list[int] | None) -> tuple[str, list[int] | None, list[int] | None]:
+    for _ in range(DECODE_LEVELS):
+        before = text
+        for first, pattern in _ESCAPES:
+            if first not in text:
+                continue
+            if starts is None or ends is None:
+                text = pattern.sub(_decode, text)
+            else:
+                text, starts, ends = _sub(pattern, _decode, text, starts, ends)
+        if text == before:
+            break
+    return text, starts, ends
+
+
+def decode_escapes(text: str) -> str:
+    """`text` with its entities, escapes and URL encoding decoded (step 1 only)."""
+    return _decode_escapes(text, None, None)[0]
+
+
+def _words(text: str) -> list[str]:
+    if text.isascii():  # one C call per step, no Python call per word
+        return text.encode("ascii").translate(_ASCII_TABLE, b"'").decode("ascii").split()
+    return [w.replace(_APOSTROPHE, "") for w in _WORD.findall(text)]
+
+
+def readings(text: str, *, offsets: bool = False) -> list[Reading]:
+    """The one or two readings of `text` (two when it has format characters).
+
+    With offsets=False the origin lists are not built (the check of a clean
+    text needs none); call again with offsets=True to map a hit back.
+    """
+    starts = ends = None
+    decoded, _, _ = _decode_escapes(text, None, None)
+    if decoded.isascii() and decoded == text:  # nothing moved: offsets are the text's
+        return [Reading(text, text, None, None, _words(text))]
+    if offsets:
+        starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
+        decoded, starts, ends = _decode_escapes(text, starts, ends)
+    if decoded.isascii():
+        return [Reading(text, decoded, starts, ends, _words(decoded))]
+    # Only the non-ASCII runs are looked at: prose and logs are mostly ASCII.
+    has_format: list[bool] = []
+
+    def fold_joined(m: re.Match[str]) -> str:
+        run = m.group()
+        if not has_format and _FORMAT.search(run):
+            has_format.append(True)
+        return run.translate(_JOIN)
+
+    joined = _NON_ASCII_RUN.sub(fold_joined, decoded)
+    tables = [_JOIN, _SPLIT] if has_format else [_JOIN]
+    out = []
+    for table in tables:
+        if not offsets:
+            folded = joined if table is _JOIN else _NON_ASCII_RUN.sub(table.fold_run, decoded)
+            r_starts = r_ends = None
+        else:
+            assert starts is not None and ends is not None
+            folded, r_starts, r_ends = _sub(_NON_ASCII, table.fold_match, decoded, starts, ends)
+        low = folded.lower()
+        if len(low) != len(folded):  # a letter lower() would expand: keep offsets aligned
+            low = folded.translate(_ASCII_UPPER)
+        out.append(Reading(text, low, r_starts, r_ends, _words(low)))
+    return out
+
+
+def tokens(text: str) -> list[str]:
+    """The normalised words of `text` (format characters removed inside words)."""
+    return readings(text)[0].tokens

@@ -1,0 +1,117 @@
+"""Attacks on the leak guard, built from the corpus key (tests/corpus/README.md).
+
+Stdlib only, so bench/leakguard_bench.py uses the same attacks as the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parent
+KEY_DIR = CORPUS / "american_beauty"
+WORK = "american_beauty"
+
+# Lines of the key made of common words: no 7-word window of them holds two
+# content words, so the 7-word rule alone let them through (issue 11, class 1);
+# measured with HumanIndex.build(..., long_n=99), i.e. rule 1 off.
+LONG_COMMON = [
+    "What a lame-o. Somebody really should put him out of his misery.",
+    "What in the world is wrong with her? She had a walk this morning.",
+    "I just love your roses. How do you get them to flourish like this?",
+    "But I don't want to lie to her.",
+    "Possibly. But you don't want to be unemployed.",
+    "--you couldn't possibly care any less, could you?",
+    "Honey, I'm sorry. I... I'm sorry I haven't been more available, I just... I'm...",
+    # and a long voice-over line, 33 words
+    "I have lost something. I'm not exactly sure what it is, but I know I didn't "
+    "always feel this... sedated. But you know what? It's never too late to get it back.",
+]
+CROSS_RANGE = "Oh, well, let's just all sell our souls and work for Satan, because it's more convenient that way."  # noqa: E501 - ep05
+
+_CYRILLIC = str.maketrans("aeopcxyiAEOPCXHTMK", "аеорсхуіАЕОРСХНТМК")
+_GREEK = str.maketrans("oivAEOTKIN", "οινΑΕΟΤΚΙΝ")
+
+
+def _inside(mark: str) -> Callable[[str], str]:
+    """`mark` in the middle of every word of four letters or more."""
+    return lambda s: re.sub(r"\b(\w\w)(\w\w+)", lambda m: m.group(1) + mark + m.group(2), s)
+
+
+def _between(mark: str) -> Callable[[str], str]:
+    """Words joined by `mark` instead of spaces."""
+    return lambda s: mark.join(s.split())
+
+
+# Every disguise the guard must see through; each keeps the words, changes the text.
+DISGUISES: dict[str, Callable[[str], str]] = {
+    "plain": lambda s: s,
+    "upper": str.upper,
+    "curly and dashes": lambda s: s.replace("'", "\u2019").replace("...", "\u2026").replace(
+        ", ", " \u2014 "),
+    "line-wrapped": lambda s: re.sub(r"(\S+ \S+ \S+) ", r"\1\n", s),
+    "pipe-joined": _between("|"),
+    "zero-width space between": _between("\u200b"),
+    "zero-width joiner between": _between("\u200d"),
+    "word joiner between": _between("\u2060"),
+    "zero-width space inside": _inside("\u200b"),
+    "soft hyphen inside": _inside("\u00ad"),
+    "bidi mark inside": _inside("\u200e"),
+    "BOM inside": _inside("\ufeff"),
+    "Cyrillic look-alikes": lambda s: s.translate(_CYRILLIC),
+    "Greek look-alikes": lambda s: s.translate(_GREEK),
+    "full-width": lambda s: "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in s),
+    "HTML entities": lambda s: s.replace("'", "&#x27;").replace(" ", "&nbsp;"),
+    "HTML rsquo": lambda s: s.replace("'", "&rsquo;"),
+    "HTML numeric": lambda s: "".join(f"&#{ord(c)};" for c in s),
+    "HTML nested": lambda s: s.replace("'", "&amp;#x27;").replace(" ", "&amp;nbsp;"),
+    "JSON-escaped": lambda s: json.dumps(s.replace("'", "\u2019"))[1:-1],
+    "JSON in JSON": lambda s: json.dumps(json.dumps({"msg": s}))[1:-1],
+    "\\u escapes": lambda s: "".join(f"\\u{ord(c):04x}" for c in s),
+    "\\x escapes": lambda s: "".join(f"\\x{ord(c):02x}" if ord(c) < 256 else c for c in s),
+    "URL-encoded": urllib.parse.quote,
+    "URL-encoded, every byte": lambda s: "".join(f"%{b:02X}" for b in s.encode()),
+}
+
+
+def key() -> dict[int, str]:
+    """The answer key: episode number -> text."""
+    return {int(p.stem[2:]): p.read_text(encoding="utf-8") for p in sorted(KEY_DIR.glob("ep*.txt"))}
+
+
+def quotable_lines(episodes: dict[int, str], min_words: int = 8) -> list[str]:
+    """Every dialogue or action line of the key with at least `min_words` words."""
+    lines = []
+    for text in episodes.values():
+        for line in text.splitlines():
+            line = line.strip()
+            if len(line.split()) >= min_words and not line.isupper() and line[0] != "(":
+                lines.append(line)
+    return lines
+
+
+def report_quoting(quote: str) -> str:
+    """A craft report with `quote` in the middle of its prose."""
+    return (
+        "The human version lets the image carry the scene and keeps the narration dry.\n\n"
+        f"Its best moment is this: {quote} The model explains the same beat twice.\n\n"
+        "Cut the second explanation and end the scene on the look.\n"
+    )
+
+
+def error_echoes(prompt: str) -> dict[str, str]:
+    """Provider error messages that echo `prompt`, in the disguises providers use.
+
+    The echo is 60 words of the prompt from the first line of the key it holds.
+    """
+    start = min(i for line in quotable_lines(key()) if (i := prompt.find(line)) >= 0)
+    tail = " ".join(prompt[start:].split()[:60])
+    return {
+        "upper-cased": f"Invalid request: {tail.upper()}",
+        "pipe-joined": "tokens: " + "|".join(tail.split()),
+        "zero-width-joined": "bad input " + "\u200b".join(tail.split()),
+        "JSON-escaped": "body=" + json.dumps({"messages": [{"content": tail}]}),
+    }

@@ -1,0 +1,254 @@
+"""Issue 11 end to end: no route carries 8 human words in a row into what the daemon writes.
+
+The answer key is a real screenplay nobody here wrote (tests/corpus), the
+reviewer is the loopback LLM misbehaving on purpose, the daemon is the real
+one. Every file the daemon wrote (reports, prompt archives, sidecars, state,
+the JSON log) is then searched for runs of 8 human words by a check that
+shares only the normalisation with the guard (`human_runs`), not its rules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skilltrain import leakguard, textnorm
+from skilltrain.state import SetState, StateStore
+from tests.corpus import adversarial
+from tests.daemon_helpers import (
+    Workspace,
+    build_workspace,
+    litellm_warm_and_frozen,
+    release_llm_clients,
+    run_cli,
+    run_once_in_process,
+)
+from tests.llm_server import LLMServer, Reply, Request
+
+# Same filters as tests/test_bad_input.py: litellm's client cache may drop an
+# unclosed keep-alive socket (collected at teardown by release_llm_clients).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning"),
+    pytest.mark.filterwarnings(
+        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
+        "pytest.PytestUnraisableExceptionWarning"
+    ),
+]
+
+@pytest.fixture(scope="module", autouse=True)
+def _litellm_imported() -> Iterator[None]:
+    with litellm_warm_and_frozen():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _release_clients() -> Iterator[None]:
+    yield
+    release_llm_clients()
+
+
+RUN = 8
+KEY = adversarial.key()
+
+
+def _human_grams() -> set[tuple[str, ...]]:
+    """Every 8-word run of every line of the key (any words, stock ones too)."""
+    grams = set()
+    for text in KEY.values():
+        for line in text.splitlines():
+            toks = textnorm.tokens(line)
+            grams.update(tuple(toks[i : i + RUN]) for i in range(len(toks) - RUN + 1))
+    return grams
+
+
+HUMAN_GRAMS = _human_grams()
+# Lines made only of stock words pass by design (leakguard: rule 1); this one is
+# in the key and no attack here uses it.
+STOCK_ONLY = tuple(textnorm.tokens("Well, you want to know how things went at my job today?"))
+
+
+def human_runs(text: str) -> list[str]:
+    """The 8-word runs of the key in `text`, in any reading."""
+    found = []
+    for view in textnorm.readings(text):
+        toks = view.tokens
+        for i in range(len(toks) - RUN + 1):
+            gram = tuple(toks[i : i + RUN])
+            if gram in HUMAN_GRAMS and " ".join(gram) not in " ".join(STOCK_ONLY):
+                found.append(" ".join(gram))
+    return found
+
+
+def written_files(ws: Workspace) -> Iterator[Path]:
+    yield ws.log_file
+    yield from (p for p in ws.runs.rglob("*") if p.is_file() and "scripts" not in p.parts)
+
+
+def assert_sealed(ws: Workspace) -> None:
+    for path in written_files(ws):
+        leaked = human_runs(path.read_text(encoding="utf-8", errors="replace"))
+        assert not leaked, f"{path.relative_to(ws.root)}: {leaked[:3]}"
+
+
+def key_workspace(tmp_path: Path, server: LLMServer, works: int = 1, *,
+                  extra: str = "") -> Workspace:
+    """Works whose answer key is the corpus screenplay; a finished step of model episodes."""
+    names = [f"beauty{i}" for i in range(works)]
+    ws = build_workspace(tmp_path / "ws", server.url, works=dict.fromkeys(names, 6),
+                         max_attempts=1, extra=extra)
+    for name in names:
+        for ep, text in KEY.items():
+            (ws.data / name / "human" / f"ep{ep:02d}.txt").write_text(text, encoding="utf-8")
+    ws.write_step("r1", 0, 0, success=True)
+    return ws
+
+
+def prompt_of(request: Request) -> str:
+    return "\n".join(str(m.get("content")) for m in request.messages)
+
+
+def test_quotes_in_every_disguise_and_from_other_ranges_are_redacted(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Long lines of common words (class 1), a line of ep05 in the report on
+    # ep01-03 (class 2), every encoding (class 3); and one distinctive quote.
+    quotes = [*adversarial.LONG_COMMON, adversarial.CROSS_RANGE,
+              "Lester thrusts his face directly into a steaming hot shower."]
+    disguised = [f(q) for f in adversarial.DISGUISES.values() for q in quotes]
+    llm_server.default = lambda request: Reply.ok(
+        "The original trusts images.\n\n" + "\n\n".join(
+            f"Compare: {text} -- the model explains instead." for text in disguised))
+    ws = key_workspace(tmp_path, llm_server)
+    assert human_runs(llm_server.default(None).content)  # type: ignore[arg-type]
+
+    run_once_in_process(ws)
+
+    reports = sorted(ws.runs.rglob("*_ep0?-0?.md"))
+    assert len(reports) == 2
+    for report in reports:
+        text = report.read_text(encoding="utf-8")
+        assert text.count("[verbatim answer-key passage removed]") == len(disguised)
+        assert text.count("the model explains instead") == len(disguised)  # prose kept
+    (done,) = ws.events("loss.completed", range="01-03")
+    assert done["leaks_redacted"] == len(disguised)
+    assert_sealed(ws)
+
+
+def test_provider_errors_echoing_the_prompt_never_reach_log_or_state(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Class 4: an error body that echoes the prompt, upper-cased, pipe-joined,
+    # zero-width-joined or JSON-escaped; by 400s (final) and 5xx (retried).
+    statuses = iter([400, 500, 500, 400, 503, 503, 400, 400])
+    disguise = iter(["upper-cased", "pipe-joined", "pipe-joined", "zero-width-joined",
+                     "JSON-escaped", "JSON-escaped", "upper-cased", "JSON-escaped"])
+
+    def echo(request: Request) -> Reply:
+        message = adversarial.error_echoes(prompt_of(request))[next(disguise)]
+        assert human_runs(message)
+        return Reply.status(next(statuses), body={"error": {"message": message,
+                                                            "type": "invalid_request_error"}})
+
+    llm_server.default = echo
+    ws = key_workspace(tmp_path, llm_server, works=2)
+
+    run_once_in_process(ws)
+
+    failed = ws.events("loss.failed")
+    assert len(failed) == 4
+    assert all("(message withheld: it quotes the prompt)" in e["reason"] for e in failed)
+    assert len(ws.events("loss.retry")) == 2
+    reasons = [s["reason"] for s in ws.state()["sets"].values()]
+    assert len(reasons) == 4 and all("withheld" in r for r in reasons)
+    assert_sealed(ws)
+
+
+def test_library_log_records_carrying_the_prompt_are_redacted(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Class 5: a library logs the prompt (here from inside the request, as
+    # litellm does when it warns about a reply), and the provider puts the
+    # prompt in finish_reason, which litellm passes on.
+    def chatty(request: Request) -> Reply:
+        prompt = prompt_of(request)
+        logging.getLogger("LiteLLM").warning("unexpected reply for: %s", prompt)
+        logging.getLogger("httpx").info("request %s", json.dumps(prompt[-3000:]))
+        echo = adversarial.error_echoes(prompt)["upper-cased"].lower()
+        return Reply.ok("A report.", finish_reason=echo)
+
+    llm_server.default = chatty
+    ws = key_workspace(tmp_path, llm_server)
+
+    run_once_in_process(ws)
+
+    # litellm maps the unknown finish_reason to "stop", warning with its text.
+    assert len(ws.events("loss.completed")) == 2
+    library = [e for e in ws.events() if e.get("logger") == "LiteLLM"]
+    assert sorted(e["event"].split(" ")[0] for e in library) == [
+        "Unmapped", "Unmapped", "unexpected", "unexpected"]
+    assert all("[verbatim answer-key passage removed]" in e["event"] for e in library)
+    assert_sealed(ws)
+
+
+def test_debug_level_logs_no_prompt_or_reply_text(tmp_path: Path, llm_server: LLMServer) -> None:
+    # Class 6, with `skilltrain daemon --once` itself: at debug litellm logs
+    # whole requests and replies; the reply quotes the key.
+    llm_server.default = lambda request: Reply.ok(
+        "Notes.\n\n" + "\n\n".join(adversarial.LONG_COMMON))
+    ws = key_workspace(tmp_path, llm_server)
+    config = ws.config_path.read_text(encoding="utf-8").replace('level = "info"',
+                                                                'level = "debug"')
+    ws.config_path.write_text(config, encoding="utf-8")
+
+    result, _ = run_cli("daemon", "--once", "--config", str(ws.config_path), timeout=120)
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(ws.events("loss.completed")) == 2
+    withheld = ws.events("library.withheld")
+    assert withheld and all(set(e) >= {"logger", "chars", "sha256"} for e in withheld)
+    assert max(e["chars"] for e in withheld) > 4000  # a whole request, not written
+    assert not human_runs(result.stderr)
+    assert_sealed(ws)
+
+
+def test_audit_cli_follows_symlinks_into_data(tmp_path: Path, llm_server: LLMServer) -> None:
+    # Class 7, the audit's side: a link under runs/ to a human episode.
+    ws = key_workspace(tmp_path, llm_server)
+    audit = ("audit", "--config", str(ws.config_path))
+    clean, _ = run_cli(*audit)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+
+    notes = ws.runs / "r1" / "notes"
+    notes.mkdir()
+    (notes / "ep02.txt").symlink_to(ws.data / "beauty0" / "human" / "ep02.txt")
+    linked, _ = run_cli(*audit, "--json")
+    assert linked.returncode == 1
+    doc = json.loads(linked.stdout)
+    assert [Path(x["file"]).name for x in doc["links_into_data"]] == ["ep02.txt"]
+    assert doc["clean"] is False
+
+    # A link to a copy outside data/ is read through: its content is the key.
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(ws.data / "beauty0" / "human", elsewhere)
+    (notes / "ep02.txt").unlink()
+    (notes / "copy").symlink_to(elsewhere, target_is_directory=True)
+    copied, _ = run_cli(*audit)
+    assert copied.returncode == 1
+    assert "notes/copy/ep05.txt" in copied.stdout
+
+
+def test_state_reasons_are_checked_against_every_work(tmp_path: Path) -> None:
+    # Whatever text reaches the state store (an exception's, a library's) is
+    # checked like a log line once the daemon has the answer keys.
+    other = leakguard.HumanIndex.build("brick", {1: (adversarial.CORPUS /
+                                                     "brick_and_steel.txt").read_text("utf-8")})
+    leakguard.install(leakguard.AnswerKeys([other, leakguard.HumanIndex.build("k", KEY)]))
+    quote = adversarial.DISGUISES["pipe-joined"](adversarial.LONG_COMMON[0])
+    store = StateStore(tmp_path / "runs")
+    store.update("r1/e0/s0/k/01-03", SetState.FAILED, reason=f"KeyError: {quote} (HTTP 400)")
+    store.flush(force=True, pid=None)
+    saved = store.path.read_text(encoding="utf-8")
+    assert "KeyError: [verbatim answer-key passage removed]. (HTTP 400)" in saved
+    assert not human_runs(saved)
