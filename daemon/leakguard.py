@@ -15,13 +15,15 @@ format characters, look-alike letters do not matter), and every run of n
 consecutive words (a shingle) of the checked text is looked up in hashed
 sets of the human shingles. Two rules start a leak:
 
-1. LONG_RUN_WORDS (8) consecutive words of the human lines (dialogue and
-   action; headings and cues are the story's, a closed-book writer of the
-   same story names the same places and people) with at least
-   LONG_MIN_CONTENT_WORDS (1) word that is not stock (filler, names,
-   furniture). A voice-over line of common words ("What in the world is
-   wrong with her? She had a walk this morning.") is as much the answer key
-   as a distinctive one.
+1. LONG_RUN_WORDS (8) consecutive words of the human text, whatever the
+   words (LONG_MIN_CONTENT_WORDS = 0). A voice-over line of common words
+   ("What in the world is wrong with her? She had a walk this morning.") is
+   as much the answer key as a distinctive one. The windows read are the
+   lines (dialogue and action) and, for a quoted exchange that keeps its cue
+   names, windows of the full text of which at least half are lines; a run
+   made mostly of scene headings and cues is the story's (a closed-book
+   writer of the same story names the same places and people: data/example's
+   independent draft shares an 8-word heading with its human script).
 2. SHINGLE_WORDS (7) words with at least MIN_CONTENT_WORDS (2) that are not
    stock: a distinctive 7-word line is a quote too.
 
@@ -35,19 +37,17 @@ screenwriter writes) start nothing.
 
 Why these numbers (bench/leakguard_bench.py; bench/RESULTS.md "Issue 11"):
 on the corpus of tests/corpus (a real screenplay as key, 82 lines of 8+ words
-in 25 disguises) rule 2 alone catches 90.2%, rules 1+2 98.8%; false-positive
-spans on independent real screenplays, on data/example's independent draft
-and on reports that do not quote are 0 with either. The issue asked for any
-8 words whatever they are; that catches 100%, but flags all 10 held-out
-stock lines of 8+ words ("What the hell do you think you're doing?") that an
-independent script shares with the key (1 of 10 with the chosen rule). The
-audit checks the model's own scripts under runs/ with nothing allowed, so
-the literal rule would report stock lines of every run as leaks. What it
-lets through is a line made only of stock words (1 of 82 lines here), which
-teaches the optimizer nothing. At 7 words, length alone does not separate
+in 25 disguises) rule 2 alone catches 90.2%, rules 1+2 100%; false-positive
+spans on independent real screenplays (Brick & Steel), on data/example's
+independent draft and on reports that do not quote are 0 with either. A
+stock line of 8+ words that the key itself holds is a leak by rule 1 (the
+issue's definition: the words occur in the human text); a report may still
+say it when the model's episodes say it too (`allow_text`), and the 28
+STOCK_LINES below start nothing. Requiring one word that is not stock
+(LONG_MIN_CONTENT_WORDS = 1) would let through a line made only of common
+words ("I don't know what you want me to say to you"): a hole in rule 1
+for no gain measured on real text. At 7 words, length alone does not separate
 cliches ("What the hell are you doing here?" is 7), a content word does.
-data/example's independent draft shares one 8-word run with its human script,
-a scene heading, which rule 1 does not read.
 
 The index holds only hashes, never human text. Python's str hash is salted
 per process, so an index is only meaningful in the process that built it:
@@ -71,7 +71,7 @@ from skilltrain.textnorm import Reading
 SHINGLE_WORDS = 7
 LONG_RUN_WORDS = 8
 MIN_CONTENT_WORDS = 2
-LONG_MIN_CONTENT_WORDS = 1
+LONG_MIN_CONTENT_WORDS = 0
 REDACTION_MARKER = "[verbatim answer-key passage removed]"
 
 tokens = textnorm.tokens
@@ -316,6 +316,13 @@ class HumanIndex:
             long_hashes = shingle_hashes(st.free, long_n)
             long_runs.update(long_hashes)
             long_seeds.update(_with_content(long_hashes, free_weak, long_n, long_min_content))
+            # A quoted exchange keeps its cue names ("LESTER: ... CAROLYN: ..."):
+            # windows of the full text count when most of their words are lines.
+            full_long = shingle_hashes(st.full, long_n)
+            long_runs.update(full_long)
+            mostly_lines = set(_with_content(full_long, st.furniture, long_n, long_n // 2))
+            long_seeds.update(h for h in _with_content(full_long, full_weak, long_n,
+                                                       long_min_content) if h in mostly_lines)
             for toks, weak in ((st.full, full_weak), (st.free, free_weak)):
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))

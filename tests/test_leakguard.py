@@ -209,11 +209,11 @@ def test_stock_phrases_are_not_leaks() -> None:
     # words in a row of HUMAN_STOCK, a leak by rule 1.)
     report += "\n" + " so ".join(STOCK_PHRASES) + "\n" + "\nso ".join(STOCK_PHRASES)
     assert find_leaks(report, index) == []
-    # In the script's order they are its exchange, 8+ words in a row, but every
-    # word is stock: rule 1 needs one that is not. One more line, and the
-    # stock run around it goes with it.
+    # In the script's order they are its exchange: 8+ words in a row of the
+    # human text, a leak by rule 1 although every word is stock.
     in_order = "MARTHA: " + " ".join(STOCK_PHRASES[8:14])
-    assert find_leaks(in_order, index) == []
+    assert len(find_leaks(in_order, index)) == 1
+    # One more line, and the stock run around it goes with it.
     goats = HumanIndex.build("stock", {1: HUMAN_STOCK.replace("here!", "here, goats!")})
     exchange = " ".join(STOCK_PHRASES[8:14]).replace("here!", "here, goats!")
     text = f"Report: {exchange} I don't know what you're talking about. Fine."
@@ -438,3 +438,25 @@ def test_long_run_of_common_words_is_a_leak_alone() -> None:
     assert find_leaks(report, rule2_only) == []
     (leak,) = find_leaks(report, both)
     assert _span(report, leak) == "what in the world is wrong with her, she had a walk this morning"
+
+
+def test_eight_common_words_in_a_row_are_a_leak_whatever_the_words() -> None:
+    # Every word is filler: rule 2 cannot start a span, rule 1 must.
+    human = "INT. KITCHEN - NIGHT\n\nMARTHA\nI don't know what you want me to say to you.\n"
+    index = HumanIndex.build("common", {1: human})
+    report = "The human line is 'I don't know what you want me to say to you' and it lands."
+    (leak,) = find_leaks(report, index)
+    assert report[leak.start:leak.end].startswith("I don't know")
+    # Seven of them are not (nor is the same text when the model wrote it too).
+    assert find_leaks("She says: I don't know what you want me.", index) == []
+    assert find_leaks(report, index, allow_text="I don't know what you want me to say to you") == []
+
+
+def test_a_quoted_exchange_with_its_cue_names_is_a_leak() -> None:
+    human = ("INT. BARN - DAY\n\nMARTHA\nAre you coming?\n\nWALTER\nNot yet.\n\n"
+             "MARTHA\nWhy not?\n\nWALTER\nBecause.\n")
+    index = HumanIndex.build("exchange", {1: human})
+    report = "It goes MARTHA: Are you coming? WALTER: Not yet. MARTHA: Why not? and on."
+    assert len(find_leaks(report, index)) == 1
+    # A heading and a cue shared with the human script are the story's.
+    assert find_leaks("INT. BARN - DAY. MARTHA enters.", index) == []
