@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from watchdog.observers.api import BaseObserver
 
 from skilltrain import status
 from skilltrain.errors import ExitCode
@@ -512,9 +513,12 @@ def test_watcher_death_stops_the_daemon_with_its_exit_code(
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
     d = start(ws)
-    observer = d.daemon.watcher.observer
+    assert d.daemon.healthy()
+    (observer,) = [t for t in threading.enumerate() if isinstance(t, BaseObserver)]
     observer.stop()  # the observer thread ends under the daemon's feet
     observer.join(timeout=5)
+    assert not d.daemon.healthy()  # the systemd watchdog is no longer fed
+    assert "the filesystem watcher is not running" in d.daemon.health_problems()
     wait_until(d.daemon.stop_event.is_set, 5, message="the daemon to notice")
     assert d.daemon.exit_code == ExitCode.WATCHER_DIED
     assert ws.events("watch.died")
