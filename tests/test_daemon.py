@@ -857,6 +857,8 @@ def test_budget_reached_stops_later_sets_of_the_run(
     assert len(ws.events("budget.reached")) == 1
     assert not any(ws.has_report(s) for s in later)
     assert all(d.daemon.state.get(s.id).reason == "budget reached" for s in later)
+    # Held back, not still being written.
+    assert {d.daemon.state.get(s.id).state for s in later} == {"held"}
 
 
 def test_budget_also_holds_back_jobs_queued_before_it_was_reached(
