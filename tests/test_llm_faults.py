@@ -259,8 +259,7 @@ def assert_server_side_gaps(
     Returns the gaps checked, by what preceded them.
 
     A 429 that was a job's last attempt (its retries used up, partly by the outage)
-    is followed by a set-level retry instead; that case is
-    test_a_set_level_retry_honours_the_last_retry_after's (a known bug), not this one's.
+    is followed by a set-level retry instead, which honours it too.
     """
     gave_up_on_429 = [
         at(e) for e in ws.events("loss.failed", **fields_of(s)) if "HTTP 429" in e["reason"]
@@ -271,12 +270,11 @@ def assert_server_side_gaps(
     for before, after in zip(served, served[1:], strict=False):
         gap = after.at - before.at
         if before.step.kind == "status" and before.step.retry_after is not None:
-            if any(0 <= t - before.wall <= 1.0 for t in gave_up_on_429):
-                checked.append(("429 that ended a job", gap))
-                continue
             floor = min(before.step.retry_after, BACKOFF_MAX_S)
             assert gap >= floor - TOLERANCE_S, (s.id, gap, timeline)
-            checked.append((f"429 Retry-After {before.step.retry_after:g}", gap))
+            ended_job = any(0 <= t - before.wall <= 1.0 for t in gave_up_on_429)
+            checked.append(("429 that ended a job" if ended_job
+                            else f"429 Retry-After {before.step.retry_after:g}", gap))
         # (A hang the outage cut short ended early, by design.)
         if before.step.kind == "hang" and not before.at <= outage[0] <= before.at + TIMEOUT_S:
             assert gap >= TIMEOUT_S - HANG_TOLERANCE_S, (s.id, gap, timeline)
@@ -519,3 +517,29 @@ def test_a_set_level_retry_honours_the_last_retry_after(tmp_path: Path) -> None:
     assert ws.events("loss.failed", **fields_of(sets[0]))  # the set-level path was taken
     gap = served[2].at - served[1].at
     assert gap >= min(RETRY_AFTER_S, BACKOFF_MAX_S) - TOLERANCE_S, f"retried {gap:.3f}s after"
+
+
+def test_a_set_level_retry_caps_a_long_retry_after_at_backoff_max(tmp_path: Path) -> None:
+    """A server asking for 30 s when a job gives up: the set is retried after
+    backoff_max_s, like a retry within a job, not after the 30 s."""
+    server = LLMServer().start()
+    d: InProcessDaemon | None = None
+    try:
+        # No retry within a job: the 429 ends it at once.
+        ws, sets = faulty_workspace(
+            tmp_path, server.url, max_retries=0, retry_backoff_s=0.2, max_attempts=3
+        )
+        plan = FaultPlan({sets[0].id: [status(429, RETRY_AFTER_CAPPED_S)]})
+        server.default = plan
+        d = InProcessDaemon(ws).start()
+        wait_until(lambda: all(ws.has_report(s) for s in sets), 15, message="every report")
+    finally:
+        if d is not None:
+            d.stop()
+        server.stop()
+    served = plan.of_set(sets[0].id)
+    assert [r.step.code for r in served] == [429, 0]
+    (failed,) = ws.events("loss.failed", **fields_of(sets[0]))
+    assert failed["next_retry_s"] <= BACKOFF_MAX_S + 0.1, failed
+    gap = served[1].at - served[0].at
+    assert BACKOFF_MAX_S - TOLERANCE_S <= gap < RETRY_AFTER_CAPPED_S / 2, f"after {gap:.3f}s"
