@@ -888,6 +888,8 @@ def test_runs_folder_deleted_and_recreated_is_watched_again(
     wait_until(lambda: all_reported(ws, sets), 20, message="the first report")
     remove_tree(ws.runs)
     wait_until(lambda: ws.events("watch.root_missing"), 10, message="watch.root_missing")
+    # Waiting is what it should do: with WatchdogSec, unhealthy here gets it killed.
+    assert stays(d.daemon.healthy, 1.5), d.daemon.health_problems()
     ws.runs.mkdir()
     wait_until(lambda: ws.events("watch.restarted"), 10, message="watch.restarted")
     again = ws.write_step("r1", 1, 1, success=True)
