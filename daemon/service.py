@@ -27,7 +27,7 @@ import threading
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -70,18 +70,14 @@ class Abandoned(Exception):
 class Daemon:
     """The service. Construction is cheap; `start()` does the work."""
 
-    def __init__(self, cfg: config.Config, *, once: bool = False,
-                 notifier: notify.Notifier | None = None,
-                 complete: Callable[..., llm.Completion] = llm.complete,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: config.Config, *, once: bool = False) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.once = once
         self.log = log.get_logger("skilltrain.daemon")
         self._notify_warned = False
-        self.notifier = notifier or notify.Notifier.from_env(on_error=self._notify_failed)
-        self.complete = complete
-        self.clock = clock
+        self.notifier = notify.Notifier.from_env(on_error=self._notify_failed)
+        self.clock = time.time  # wall clock: retry times are kept in state.json
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
         self.abort_event = threading.Event()  # abandon jobs waiting to retry
         self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
@@ -470,6 +466,9 @@ class Daemon:
                   **key.log_fields())
 
     def template_hash(self) -> str:
+        """The loss template's hash, read at most once a second (and afresh by
+        each scan): a burst of evaluations reads the file once, an edit is
+        seen within a second."""
         cached = self._template_hash
         if cached is None or time.monotonic() - cached[0] > 1.0:
             cached = (time.monotonic(), self.templates.source_hash(loss.TEMPLATE))
@@ -552,7 +551,7 @@ class Daemon:
             result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
                               on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
                               hooks=loss.LossHooks(started=started, retry=retry),
-                              complete=self.complete, sleep=self._interruptible_sleep)
+                              sleep=self._interruptible_sleep)
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
             self._fail(key, fp, attempts, str(e), event="loss.refused")
