@@ -300,7 +300,9 @@ class Daemon:
         except (OSError, ValueError) as e:
             self._ignore(run_toml, f"unreadable run.toml ({type(e).__name__}); using all works")
             return list(self.works.values())
-        if not isinstance(names, list):
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            # A list or table in it would be unhashable below: a crash at start.
+            self._ignore(run_toml, "works must be a list of work names; using all works")
             return list(self.works.values())
         for name in names:
             if name not in self.works:

@@ -196,3 +196,16 @@ def test_an_optimizer_command_these_values_cannot_fill_fails_and_is_retried(
     assert not ws.events("optimizer.started")
     assert stays(lambda: len(ws.events("optimizer.failed")) == 2, 1.5)  # max_attempts
     assert d.daemon.healthy()
+
+
+def test_a_run_toml_listing_odd_things_is_ignored_not_a_crash(
+    tmp_path: Path, llm_server: LLMServer, start: Start
+) -> None:
+    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
+    (s,) = ws.write_step("r1", 1, 1, success=True)
+    (ws.runs / "r1" / "run.toml").write_text('works = [["alpha"], {name = "alpha"}, 3]\n')
+    d = start(ws)
+    wait_until(lambda: ws.has_report(s), 20, message="the report (all works, as without run.toml)")
+    (ignored,) = [e for e in ws.events("set.ignored") if e["path"].endswith("run.toml")]
+    assert "work names" in ignored["reason"]
+    assert d.daemon.healthy()
