@@ -10,6 +10,7 @@ demand without root.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -209,3 +210,19 @@ def test_a_run_toml_listing_odd_things_is_ignored_not_a_crash(
     (ignored,) = [e for e in ws.events("set.ignored") if e["path"].endswith("run.toml")]
     assert "work names" in ignored["reason"]
     assert d.daemon.healthy()
+
+
+def test_an_exception_escaping_an_optimizer_run_is_logged_in_forever_mode(
+    tmp_path: Path, llm_server: LLMServer, start: Start
+) -> None:
+    # A NUL in an argument: Popen raises ValueError, which optimizer.run does not
+    # expect. Nobody waits on the future in forever mode; the log must say it.
+    ws = build_workspace(
+        tmp_path, llm_server.url, works={"alpha": 3},
+        extra='\n[optimizer]\ncommand = ["/bin/true", "a\\u0000b"]\nmax_attempts = 1\n',
+    )
+    ws.write_step("r1", 1, 1, success=True)
+    start(ws)
+    (crash,) = wait_until(lambda: ws.events("daemon.task_failed"), 10, message="the crash")
+    assert crash["level"] == "error" and crash["error"] == "ValueError"
+    assert "embedded null byte" in json.dumps(crash["exception"])
