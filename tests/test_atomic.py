@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import (
+    THIRD_PARTY_WARNINGS,
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     release_llm_clients,
     run_once_in_process,
     sha256_text,
@@ -30,11 +30,7 @@ from tests.daemon_helpers import (
 )
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-# See test_daemon.py: litellm's dropped duplicate client.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-    "pytest.PytestUnraisableExceptionWarning"
-)
+pytestmark = THIRD_PARTY_WARNINGS
 
 LIMIT = 4096  # bytes a child may write to one file
 
@@ -112,12 +108,23 @@ def write_scripts(ws: Workspace, version: int) -> SetId:
     return ws.sets_of_step("r1", 1, 1)[0]
 
 
+def daemon_once_in_child(ws: Workspace, prelude: str) -> subprocess.CompletedProcess[str]:
+    """`skilltrain daemon --once` in a child process that runs `prelude` first."""
+    code = textwrap.dedent(prelude) + textwrap.dedent(f"""
+        import runpy, sys
+        sys.argv = ["skilltrain", "daemon", "--config", {str(ws.config_path)!r}, "--once"]
+        runpy.run_module("skilltrain", run_name="__main__")
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=90, env=subprocess_env(), cwd=ws.root)
+
+
 def crash_before_rename(ws: Workspace, n: int) -> None:
-    """`skilltrain daemon --once` in a child SIGKILLed before its n-th rename into
-    the reports folder (1: the first of the report's files)."""
+    """The daemon, SIGKILLed before its n-th rename into the reports folder
+    (1: the first of the report's files)."""
     reports = ws.runs / "r1" / "loss" / "epoch_01" / "step_01"
-    code = textwrap.dedent(f"""
-        import os, runpy, signal, sys
+    result = daemon_once_in_child(ws, f"""
+        import os, signal, sys
         renames = 0
         def crash(event, args):
             global renames
@@ -126,11 +133,7 @@ def crash_before_rename(ws: Workspace, n: int) -> None:
                 if renames == {n}:
                     os.kill(os.getpid(), signal.SIGKILL)
         sys.addaudithook(crash)
-        sys.argv = ["skilltrain", "daemon", "--config", {str(ws.config_path)!r}, "--once"]
-        runpy.run_module("skilltrain", run_name="__main__")
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=90, env=subprocess_env(), cwd=ws.root)
     assert result.returncode == -9, (result.returncode, result.stderr[-2000:])
 
 
@@ -148,9 +151,8 @@ def versions(ws: Workspace, s: SetId) -> dict[str, str]:
 
 
 @pytest.fixture
-def litellm_ready() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
+def litellm_ready(litellm_frozen: None) -> Iterator[None]:
+    yield
     release_llm_clients()
 
 
@@ -180,3 +182,25 @@ def test_a_crash_while_replacing_a_report_with_changed_inputs_is_redone(
     # sidecar: the commit marker is renamed last, so it named the old inputs.
     assert crashed == {"archive": "v1", "report": "v1" if n == 3 else "v0", "sidecar": "v0"}
     assert left, "the crash left its temp files"
+
+
+def test_a_report_the_kernel_will_not_let_us_write_fails_and_leaves_nothing(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    """The disk-full guarantee without root or tmpfs: the daemon itself under
+    RLIMIT_FSIZE, where a 64 KiB report gets EFBIG and the small files do not."""
+    llm_server.default = lambda request: Reply.ok(("The scene turns late. " * 3000)[:65536])
+    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
+    s = write_scripts(ws, 0)
+    result = daemon_once_in_child(ws, """
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32768, 32768))
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (failed,) = ws.events("loss.failed")
+    assert "File too large" in failed["reason"] and failed["level"] == "error"
+    assert failed["next_retry_s"] is not None  # retried later, like a full disk
+    assert [p.name for p in (ws.report(s), ws.sidecar(s), ws.archive(s)) if p.exists()] == []
+    assert ws.temp_files() == []
+    assert ws.events("daemon.stopped")[-1]["failed"] == 1

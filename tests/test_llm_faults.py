@@ -496,23 +496,32 @@ def test_a_set_refused_for_a_bad_reply_recovers_once_the_server_is_healthy(
         assert_reports_are_ok_replies(ws, plan, s)
 
 
-def test_a_set_level_retry_honours_the_last_retry_after(tmp_path: Path) -> None:
+def serve_first_set(
+    tmp_path: Path, steps: list[Step], **keys: float
+) -> tuple[Workspace, list[SetId], list[Served]]:
+    """Run the daemon until every report exists while the first set's requests get
+    `steps`; returns what that set was served."""
     server = LLMServer().start()
     d: InProcessDaemon | None = None
     try:
-        # One retry per job: 500, then a 429 asking for 1 s ends the first job.
-        ws, sets = faulty_workspace(
-            tmp_path, server.url, max_retries=1, retry_backoff_s=0.2, max_attempts=3
-        )
-        plan = FaultPlan({sets[0].id: [status(500), status(429, RETRY_AFTER_S)]})
+        ws, sets = faulty_workspace(tmp_path, server.url, **keys)
+        plan = FaultPlan({sets[0].id: steps})
         server.default = plan
         d = InProcessDaemon(ws).start()
-        wait_until(lambda: all(ws.has_report(s) for s in sets), 20, message="every report")
+        wait_until(lambda: all(ws.has_report(s) for s in sets), 15, message="every report")
     finally:
         if d is not None:
             d.stop()
         server.stop()
-    served = plan.of_set(sets[0].id)
+    return ws, sets, plan.of_set(sets[0].id)
+
+
+def test_a_set_level_retry_honours_the_last_retry_after(tmp_path: Path) -> None:
+    # One retry per job: 500, then a 429 asking for 1 s ends the first job.
+    ws, sets, served = serve_first_set(
+        tmp_path, [status(500), status(429, RETRY_AFTER_S)],
+        max_retries=1, retry_backoff_s=0.2, max_attempts=3,
+    )
     assert [r.step.code for r in served] == [500, 429, 0]
     assert ws.events("loss.failed", **fields_of(sets[0]))  # the set-level path was taken
     gap = served[2].at - served[1].at
@@ -522,22 +531,11 @@ def test_a_set_level_retry_honours_the_last_retry_after(tmp_path: Path) -> None:
 def test_a_set_level_retry_caps_a_long_retry_after_at_backoff_max(tmp_path: Path) -> None:
     """A server asking for 30 s when a job gives up: the set is retried after
     backoff_max_s, like a retry within a job, not after the 30 s."""
-    server = LLMServer().start()
-    d: InProcessDaemon | None = None
-    try:
-        # No retry within a job: the 429 ends it at once.
-        ws, sets = faulty_workspace(
-            tmp_path, server.url, max_retries=0, retry_backoff_s=0.2, max_attempts=3
-        )
-        plan = FaultPlan({sets[0].id: [status(429, RETRY_AFTER_CAPPED_S)]})
-        server.default = plan
-        d = InProcessDaemon(ws).start()
-        wait_until(lambda: all(ws.has_report(s) for s in sets), 15, message="every report")
-    finally:
-        if d is not None:
-            d.stop()
-        server.stop()
-    served = plan.of_set(sets[0].id)
+    # No retry within a job: the 429 ends it at once.
+    ws, sets, served = serve_first_set(
+        tmp_path, [status(429, RETRY_AFTER_CAPPED_S)],
+        max_retries=0, retry_backoff_s=0.2, max_attempts=3,
+    )
     assert [r.step.code for r in served] == [429, 0]
     (failed,) = ws.events("loss.failed", **fields_of(sets[0]))
     assert failed["next_retry_s"] <= BACKOFF_MAX_S + 0.1, failed
