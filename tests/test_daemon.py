@@ -856,6 +856,10 @@ def test_runs_folder_deleted_and_recreated_is_watched_again(
     sets = ws.write_step("r1", 1, 1, success=True)
     d = start(ws)
     wait_until(lambda: all_reported(ws, sets), 20, message="the first report")
+    # Nothing left to write (step marker, audit cache): a write in flight
+    # would recreate runs/ under the test's feet.
+    wait_until(lambda: ws.events("step.reported") and ws.events("audit.completed"), 10,
+               message="the daemon idle")
     remove_tree(ws.runs)
     wait_until(lambda: ws.events("watch.root_missing"), 10, message="watch.root_missing")
     # Waiting is what it should do: with WatchdogSec, unhealthy here gets it killed.
