@@ -366,7 +366,7 @@ class Daemon:
         except SchedulerNotRunningError:
             pass  # shutting down: the next start finds the set again
         except Exception:
-            # The set would wait for an event or the resync: say so, then rescan.
+            # The set now waits for its next event or the resync: say so.
             self.log.exception("set.error", **key.log_fields())
 
     def _evaluate_job(self, key: layout.SetKey) -> None:
@@ -381,7 +381,7 @@ class Daemon:
         """Look at one set and do the one right thing for it now."""
         with self._lock:
             if key.id in self._active or key.id in self._evaluating:
-                self._recheck.add(key.id)  # coalesce: look again when the job ends
+                self._recheck.add(key.id)  # coalesce: look again when the job or look ends
                 return
             self._evaluating.add(key.id)  # claimed: stats and hashes run unlocked
         try:
