@@ -243,7 +243,10 @@ def assert_reports_are_ok_replies(
     oks = [r for r in plan.of_set(s.id) if r.mark is not None]
     assert oks, f"{s.id}: no ok reply"
     for lost in oks[:-1]:
-        assert cut_at is not None and cut_at - 0.2 <= lost.at <= cut_at, f"{s.id} asked again"
+        # A handler thread can still stamp a request that raced stop(): slack after cut_at.
+        assert cut_at is not None and cut_at - 0.2 <= lost.at <= cut_at + TOLERANCE_S, (
+            f"{s.id} asked again"
+        )
     text = ws.report(s).read_text(encoding="utf-8").strip()
     assert text == f"{DEFAULT_REPORT} [{oks[-1].mark}]", s.id
     assert ws.archive(s).is_file() and ws.sidecar(s).is_file()
