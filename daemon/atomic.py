@@ -21,8 +21,17 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_all(files: dict[Path, str]) -> None:
-    """Several files as one: every temp file is written and synced before any
-    is renamed into place, so a full disk leaves none of them, not some."""
+    """Several files, all or none if the write fails, in order if we crash.
+
+    Every temp file is written and synced before any is renamed into place,
+    so a full disk leaves none of them, not some. The renames are not one
+    atomic step: they happen one after another, in the order of `files`, and
+    a crash between two leaves the first ones new and the rest old. So the
+    caller puts its commit marker last (the loss handler: the sidecar, whose
+    hashes say which inputs the files beside it were made from); until it is
+    renamed, the old marker still names the old inputs, so changed inputs are
+    seen and the set is redone.
+    """
     temps: list[tuple[str, Path]] = []
     try:
         for path, text in files.items():

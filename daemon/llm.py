@@ -3,9 +3,10 @@
 PITFALLS: the OpenAI SDK under litellm retries on its own (3 attempts) and
 litellm's `num_retries` adds more on top, with no wait. Both are switched
 off (`max_retries=0`, `num_retries=0`) and tenacity owns the policy:
-exponential backoff with full jitter on 429/5xx/timeouts/connection errors,
-at least as long as a Retry-After header asks, no retry on auth or
-bad-request errors.
+exponential backoff with full jitter (tenacity's `wait_random_exponential`)
+on 429/5xx/timeouts/connection errors, at least as long as the server asks
+(Retry-After in seconds or as an HTTP date, or retry-after-ms, read by the
+OpenAI SDK's own parser), no retry on auth or bad-request errors.
 
 litellm costs ~5 s to import, so it is imported on first use only; `status`,
 `tail`, `audit` and `--help` never pay for it.
@@ -13,7 +14,6 @@ litellm costs ~5 s to import, so it is imported on first use only; `status`,
 from __future__ import annotations
 
 import os
-import random
 import re
 import threading
 import time
@@ -119,15 +119,15 @@ def wants_cache_markers(model: str) -> bool:
 
 def complete(messages: Sequence[Message], settings: LLMConfig, *,
              on_retry: RetryHook | None = None,
-             sleep: Callable[[float], None] = time.sleep,
-             rng: random.Random | None = None) -> Completion:
+             sleep: Callable[[float], None] = time.sleep) -> Completion:
     """One chat completion with the retry policy; raises LLMError when it gives up.
 
     `sleep` is how the policy waits: the daemon passes one that returns early
     (raising) on shutdown; tests pass a recorder.
     """
-    rng = rng or random.Random()
     attempts = 0
+    backoff = tenacity.wait_random_exponential(multiplier=settings.backoff_initial_s,
+                                               max=settings.backoff_max_s)
 
     def attempt() -> Any:
         nonlocal attempts
@@ -136,10 +136,7 @@ def complete(messages: Sequence[Message], settings: LLMConfig, *,
 
     def wait(state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
-        # Full jitter (AWS architecture blog): spreads a burst of 429s apart.
-        ceiling = min(settings.backoff_max_s,
-                      settings.backoff_initial_s * 2 ** (state.attempt_number - 1))
-        delay = rng.uniform(0, ceiling)
+        delay = backoff(state)  # full jitter: spreads a burst of 429s apart
         if isinstance(exc, RetryableError) and exc.retry_after_s is not None:
             delay = max(delay, min(exc.retry_after_s, settings.backoff_max_s))
         return delay
@@ -264,18 +261,25 @@ def _describe(error: BaseException, prompt: str = "") -> str:
 
 
 def _retry_after(error: BaseException) -> float | None:
-    """Seconds the server asked us to wait (Retry-After), if it said."""
+    """Seconds the server asked us to wait, if it said.
+
+    retry-after-ms, then Retry-After as seconds or as an HTTP date: the
+    OpenAI SDK's parser (its method uses nothing of the client).
+    """
+    from openai._base_client import BaseClient
+
     headers: Any = getattr(error, "litellm_response_headers", None)
     response = getattr(error, "response", None)
     if headers is None and response is not None:
         headers = getattr(response, "headers", None)
     if not headers:
         return None
-    value = headers.get("retry-after") or headers.get("Retry-After")
     try:
-        return max(0.0, float(value)) if value is not None else None
-    except (TypeError, ValueError):
+        lowered = {str(k).lower(): str(v) for k, v in dict(headers).items()}
+        seconds = BaseClient._parse_retry_after_header(None, lowered)  # type: ignore[arg-type]
+    except Exception:
         return None
+    return None if seconds is None else max(0.0, float(seconds))
 
 
 def _completion(response: Any, model: str, attempts: int) -> Completion:

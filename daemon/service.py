@@ -27,7 +27,7 @@ import threading
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import SchedulerNotRunningError
 
 from skilltrain import atomic, config, dataset, layout, llm, log, notify, progress
 from skilltrain.errors import (
@@ -57,6 +58,7 @@ from skilltrain.watcher import Watcher
 HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
 RESCAN_DEBOUNCE_S = 0.5
 LOOP_TICK_S = 1.0
+STALL_S = 60.0  # no scan, job end or loop tick for this long: the daemon is stuck
 RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
 AUDIT_CACHE = "audit-cache.json"  # in runs/.skilltrain/
 STEP_MARKERS = layout.STEP_MARKERS  # runs/<run>/loss/.steps/epoch_EE-step_SS.json
@@ -69,19 +71,16 @@ class Abandoned(Exception):
 class Daemon:
     """The service. Construction is cheap; `start()` does the work."""
 
-    def __init__(self, cfg: config.Config, *, once: bool = False,
-                 notifier: notify.Notifier | None = None,
-                 complete: Callable[..., llm.Completion] = llm.complete,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: config.Config, *, once: bool = False) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.once = once
         self.log = log.get_logger("skilltrain.daemon")
         self._notify_warned = False
-        self.notifier = notifier or notify.Notifier.from_env(on_error=self._notify_failed)
+        self.notifier = notify.Notifier.from_env(on_error=self._notify_failed)
         self.metrics = Metrics(lambda: self.state.counts(), [s.value for s in SetState])
-        self.complete = self.metrics.timed(complete)
-        self.clock = clock
+        self.complete = self.metrics.timed(llm.complete)
+        self.clock = time.time  # wall clock: retry times are kept in state.json
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
         self.abort_event = threading.Event()  # abandon jobs waiting to retry
         self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
@@ -96,9 +95,14 @@ class Daemon:
         self._last_sigs: dict[str, Any] = {}  # set id -> (sigs, monotonic time they changed)
         self._ignored: set[str] = set()
         self._budget_reported: set[str] = set()
-        self._optimizer_futures: list[Future[None]] = []
+        self._evaluating: set[str] = set()  # set ids being evaluated (outside _lock)
+        self._optimizer_futures: list[Future[None]] = []  # under _lock
         self._optimizer_pending: set[str] = set()  # step ids with an optimizer run claimed
-        self._progress_at = time.monotonic()
+        self.heartbeat = notify.Heartbeat()  # the main loop, a scan or a job made progress
+        self._waiting_for_root = False  # runs/ was deleted: waiting is healthy
+        self._scan_guard = threading.Lock()
+        self._scanning = False  # one full scan at a time; under _scan_guard
+        self._scan_wanted = False  # asked for while one ran: it goes round once more
         self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
         self.scheduler = BackgroundScheduler(
             executors={"default": {"type": "threadpool", "max_workers": 2}},
@@ -106,7 +110,8 @@ class Daemon:
             timezone=UTC)
         self.pool = ThreadPoolExecutor(cfg.loss.concurrency, thread_name_prefix="loss")
         self.optimizer_pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
-        self.watcher = Watcher(self.runs, cfg.watch.observer, self.hint, self.emit)
+        self.watcher = Watcher(self.runs, cfg.watch.observer, self.hint, self.emit,
+                               rescan=self._schedule_scan)
         self._template_hash: tuple[float, str] | None = None
         self.abandoned = 0
         self._next_flush_at = 0.0
@@ -203,6 +208,10 @@ class Daemon:
                             data_root=self.cfg.paths.data)
         for link in result.links:
             self.emit("audit.link", level="error", file=str(link.file), target=str(link.target))
+        for error in result.errors:
+            # "<path>: why": a file that could not be read is not clean.
+            for path in [p for p in new if error.startswith(f"{p}: ")]:
+                del new[path]
         for hit in result.hits:
             new.pop(str(hit.file), None)  # never remembered as clean
             self.emit("audit.leak", level="error", file=str(hit.file), line=hit.line,
@@ -223,9 +232,31 @@ class Daemon:
 
     # ------------------------------------------------------------------- scan
     def scan(self) -> None:
-        """Level-triggered reconciliation: look at every set under runs/."""
+        """Level-triggered reconciliation: look at every set under runs/.
+
+        One full scan at a time (the periodic resync and a rescan can fall
+        due together): a scan asked for while one runs makes that one go
+        round once more, so what prompted it is still seen.
+        """
+        with self._scan_guard:
+            if self._scanning:
+                self._scan_wanted = True
+                return
+            self._scanning = True
+        try:
+            while True:
+                self._scan_tree()
+                with self._scan_guard:
+                    if not self._scan_wanted or self.stop_event.is_set():
+                        break
+                    self._scan_wanted = False
+        finally:
+            with self._scan_guard:
+                self._scanning = self._scan_wanted = False
+
+    def _scan_tree(self) -> None:
         t0 = time.monotonic()
-        self._template_hash = None  # re-read the template once per scan
+        self._template_hash = None  # a scan reads the template afresh
         steps = dict(self._discover_steps())
         for keys in steps.values():
             for key in keys:
@@ -246,7 +277,7 @@ class Daemon:
         self.emit("scan.completed", sets=len(seen),
                   duration_ms=int((time.monotonic() - t0) * 1000), **by_state)
         self.watcher.check_coverage()
-        self._progress_at = time.monotonic()
+        self.heartbeat.beat()
 
     def _discover_steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
         """Every step folder under runs/ with the sets it is expected to have."""
@@ -288,7 +319,9 @@ class Daemon:
         except (OSError, ValueError) as e:
             self._ignore(run_toml, f"unreadable run.toml ({type(e).__name__}); using all works")
             return list(self.works.values())
-        if not isinstance(names, list):
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            # A list or table in it would be unhashable below: a crash at start.
+            self._ignore(run_toml, "works must be a list of work names; using all works")
             return list(self.works.values())
         for name in names:
             if name not in self.works:
@@ -346,9 +379,14 @@ class Daemon:
         if self.once or self.stop_event.is_set():
             return
         when = at if at is not None else time.time() + delay_s
-        with contextlib.suppress(Exception):  # scheduler already shut down
+        try:
             self.scheduler.add_job(self._evaluate_job, "date", args=[key], id=key.id,
                                    replace_existing=True, run_date=_at(when))
+        except SchedulerNotRunningError:
+            pass  # shutting down: the next start finds the set again
+        except Exception:
+            # The set now waits for its next event or the resync: say so.
+            self.log.exception("set.error", **key.log_fields())
 
     def _evaluate_job(self, key: layout.SetKey) -> None:
         try:
@@ -361,12 +399,22 @@ class Daemon:
     def evaluate(self, key: layout.SetKey) -> None:
         """Look at one set and do the one right thing for it now."""
         with self._lock:
-            if key.id in self._active:
-                self._recheck.add(key.id)  # coalesce: look again when the job ends
+            if key.id in self._active or key.id in self._evaluating:
+                self._recheck.add(key.id)  # coalesce: look again when the job or look ends
                 return
-            self._evaluate_locked(key)
+            self._evaluating.add(key.id)  # claimed: stats and hashes run unlocked
+        try:
+            self._evaluate_claimed(key)
+        finally:
+            with self._lock:
+                self._evaluating.discard(key.id)
+                again = key.id in self._recheck and key.id not in self._active
+                if again:
+                    self._recheck.discard(key.id)
+        if again:
+            self.schedule_evaluate(key)
 
-    def _evaluate_locked(self, key: layout.SetKey) -> None:
+    def _evaluate_claimed(self, key: layout.SetKey) -> None:
         obs = observe(key, self.runs)
         rec = self.state.get(key.id)
         if not obs.complete:
@@ -403,7 +451,7 @@ class Daemon:
                 self.schedule_evaluate(key, at=rec.next_retry_at)
                 return
         if self._over_budget(key.run):
-            self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
+            self.state.update(key.id, SetState.STALE if report_exists else SetState.HELD,
                               reason="budget reached")
             return
         if report_exists:
@@ -439,6 +487,9 @@ class Daemon:
                   **key.log_fields())
 
     def template_hash(self) -> str:
+        """The loss template's hash, read at most once a second (and afresh by
+        each scan): a burst of evaluations reads the file once, an edit is
+        seen within a second."""
         cached = self._template_hash
         if cached is None or time.monotonic() - cached[0] > 1.0:
             cached = (time.monotonic(), self.templates.source_hash(loss.TEMPLATE))
@@ -452,8 +503,10 @@ class Daemon:
         spent = self.state.spend.get(run)
         if spent is None or spent.cost_usd < budget:
             return False
-        if run not in self._budget_reported:
+        with self._lock:  # evaluations run in parallel: one line per run
+            first = run not in self._budget_reported
             self._budget_reported.add(run)
+        if first:
             self.emit("budget.reached", level="warning", run=run,
                       spent_usd=round(spent.cost_usd, 6), budget_usd=budget)
         return True
@@ -465,8 +518,10 @@ class Daemon:
                           attempts=attempts)
         self.emit("set.ready", **key.log_fields())
         self.emit("loss.queued", job_id=job_id, **key.log_fields())
-        future = self.pool.submit(self._run_job, key, fp, job_id, attempts)
-        self._active[key.id] = future
+        with self._lock:  # before the job's own end can look for it
+            future = self.pool.submit(self._run_job, key, fp, job_id, attempts)
+            self._active[key.id] = future
+        future.add_done_callback(self._report_crash)
 
     def _run_job(self, key: layout.SetKey, fp: Fingerprint, job_id: str, attempts: int) -> None:
         try:
@@ -485,7 +540,7 @@ class Daemon:
             if again:
                 self.schedule_evaluate(key)
             self.check_step(key.step_key)
-            self._progress_at = time.monotonic()
+            self.heartbeat.beat()
 
     def _run_loss(self, key: layout.SetKey, fp: Fingerprint, attempts: int) -> None:
         if self.stop_event.is_set():
@@ -496,7 +551,9 @@ class Daemon:
             return
         if self._over_budget(key.run):
             # Queued before the budget ran out; it must not start now.
-            self.state.update(key.id, SetState.SETTLING, reason="budget reached")
+            report_exists = key.report_path(self.runs).exists()
+            self.state.update(key.id, SetState.STALE if report_exists else SetState.HELD,
+                              reason="budget reached")
             return
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=self.works[key.work], scripts_dir=key.scripts_dir(self.runs),
@@ -515,7 +572,7 @@ class Daemon:
             result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
                               on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
                               hooks=loss.LossHooks(started=started, retry=retry),
-                              complete=self.complete, sleep=self._interruptible_sleep)
+                              sleep=self._interruptible_sleep)
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
             self._fail(key, fp, attempts, str(e), event="loss.refused")
@@ -651,24 +708,43 @@ class Daemon:
             self._write_step_marker(step)
             return
         future = self.optimizer_pool.submit(self._run_optimizer, step)
-        self._optimizer_futures = [f for f in self._optimizer_futures if not f.done()] + [future]
+        future.add_done_callback(self._report_crash)
+        with self._lock:  # jobs finishing together trigger steps from several threads
+            self._optimizer_futures = [f for f in self._optimizer_futures if not f.done()]
+            self._optimizer_futures.append(future)
+
+    def _report_crash(self, future: Future[None]) -> None:
+        """A loss job or optimizer run that raised: in forever mode nobody asks its future."""
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            self.log.error("daemon.task_failed", error=type(error).__name__, exc_info=error)
 
     def _run_optimizer(self, step: layout.StepKey) -> None:
         values = {"run": step.run, "epoch": f"{step.epoch:02d}", "step": f"{step.step:02d}",
                   "reports_dir": str(step.reports_dir(self.runs)),
                   "run_dir": str(step.run_dir(self.runs))}
-        argv = optimizer.render_argv(self.cfg.optimizer.command, values)
         fields: dict[str, Any] = {"run": step.run, "epoch": step.epoch, "step": step.step}
+        bad_command: optimizer.OptimizerResult | None = None
+        try:
+            argv = optimizer.render_argv(self.cfg.optimizer.command, values)
+        except ConfigError as e:
+            # A placeholder only these values break ({epoch[4]}): a failed
+            # attempt like any other, never a step left claimed for good.
+            argv, bad_command = [], optimizer.OptimizerResult(None, 0, str(e))
 
         def emit(event: str, **kw: Any) -> None:
             # The output relays are plain threads: bound context does not reach them.
             self.emit(event, **fields, **kw)
 
         with log.bound_job(**fields):
-            self.emit("optimizer.started", argv=argv)
+            if bad_command is None:
+                self.emit("optimizer.started", argv=argv)
             try:
-                result = optimizer.run(argv, timeout_s=self.cfg.optimizer.timeout_s, emit=emit,
-                                       cancel=self.kill_optimizer)
+                result = bad_command or optimizer.run(
+                    argv, timeout_s=self.cfg.optimizer.timeout_s, emit=emit,
+                    cancel=self.kill_optimizer)
             finally:
                 with self.state.lock:
                     self._optimizer_pending.discard(step.id)
@@ -696,17 +772,32 @@ class Daemon:
 
     def healthy(self) -> bool:
         """For the systemd watchdog: intake alive and the loop not stuck."""
-        watcher_ok = self.once or self.watcher.alive()
-        return (watcher_ok and self.scheduler.running
-                and time.monotonic() - self._progress_at < max(60.0, 3 * LOOP_TICK_S))
+        return not self.health_problems()
+
+    def health_problems(self) -> list[str]:
+        """Why the daemon is not healthy (empty: it is)."""
+        problems = []
+        if not (self.once or self._waiting_for_root or self.watcher.alive()):
+            problems.append("the filesystem watcher is not running")
+        if not self.scheduler.running:
+            problems.append("the scheduler is not running")
+        if not self.heartbeat.recent(STALL_S):
+            problems.append(f"no progress for {self.heartbeat.age_s():.0f} s")
+        return problems
+
+    def _unhealthy(self) -> None:
+        # Logged before systemd's WatchdogSec runs out, so the kill has a reason.
+        self.emit("daemon.unhealthy", level="error", reasons=self.health_problems(),
+                  watchdog_s=self.notifier.watchdog_interval_s)
 
     def run_forever(self) -> None:
         """The main thread's loop: health, state flush, status; until stopped."""
-        pinger = notify.WatchdogPinger(self.notifier, self.healthy, self.stop_event)
+        pinger = notify.WatchdogPinger(self.notifier, self.healthy, self.stop_event,
+                                       on_unhealthy=self._unhealthy)
         pinger.start()
         last_status = ""
         while not self.stop_event.wait(LOOP_TICK_S):
-            self._progress_at = time.monotonic()
+            self.heartbeat.beat()
             if self.watcher.root_replaced() or not self.watcher.alive():
                 self._watcher_died()
                 continue
@@ -743,14 +834,18 @@ class Daemon:
             # runs/ was deleted (and maybe recreated): its watch went with it.
             # Wait for it to exist, then take the lock and watch it anew.
             self.emit("watch.root_missing", level="warning", runs_dir=str(self.runs))
-            self.watcher.stop()
-            while not self.runs.is_dir() and not self.stop_event.wait(LOOP_TICK_S):
-                pass
-            if self.stop_event.is_set():
-                return
-            self._run_lock.release()
-            self._run_lock.acquire()
-            self.watcher.start()
+            self._waiting_for_root = True  # healthy: waiting is what it should do
+            try:
+                self.watcher.stop()
+                while not self.runs.is_dir() and not self.stop_event.wait(LOOP_TICK_S):
+                    self.heartbeat.beat()
+                if self.stop_event.is_set():
+                    return
+                self._run_lock.release()
+                self._run_lock.acquire()
+                self.watcher.start()
+            finally:
+                self._waiting_for_root = False
             self.emit("watch.restarted", runs_dir=str(self.runs), observer=self.watcher.kind)
             self._schedule_scan()
             return
@@ -767,7 +862,9 @@ class Daemon:
                 break
             for future in futures:
                 future.result()
-        for future in list(self._optimizer_futures):
+        with self._lock:
+            optimizers = list(self._optimizer_futures)
+        for future in optimizers:
             future.result()
 
     def shutdown(self, reason: str) -> None:
@@ -798,7 +895,9 @@ class Daemon:
         # 4. what is still running (inside an LLM call) is abandoned: it dies
         #    with the process, and its writes are atomic, so nothing is partial
         self.kill_optimizer.set()
-        for future in self._optimizer_futures:
+        with self._lock:
+            optimizers = list(self._optimizer_futures)
+        for future in optimizers:
             with contextlib.suppress(Exception):
                 future.result(timeout=5)
         abandoned = sum(1 for f in futures if not f.done())

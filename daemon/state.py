@@ -28,6 +28,7 @@ STATE_VERSION = 1
 class SetState(enum.StrEnum):
     WAITING = "waiting"  # range incomplete: episodes missing or empty
     SETTLING = "settling"  # complete, still being written (changed < settle_seconds ago)
+    HELD = "held"  # complete and settled, no report: held back by [llm] budget_usd
     QUEUED = "queued"
     RUNNING = "running"
     DONE = "done"  # an up-to-date report exists
@@ -67,7 +68,12 @@ class RunSpend:
 
 
 class StateStore:
-    """Thread-safe; `flush()` writes when something changed."""
+    """Its methods take `lock`; `flush()` writes when something changed.
+
+    The records it hands out (`get`, `step`, `sets[...]`) are the live ones,
+    not copies: a caller that changes one, or reads several fields that must
+    agree, holds `lock` while it does.
+    """
 
     def __init__(self, runs: Path) -> None:
         self.path = runs / STATE_DIR / STATE_FILE

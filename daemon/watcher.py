@@ -16,7 +16,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from watchdog.events import (
     DirCreatedEvent,
@@ -57,9 +56,10 @@ Report = Callable[..., None]  # report(event_name, **fields)
 
 
 class _HintHandler(FileSystemEventHandler):
-    def __init__(self, hint: Hint, report: Report) -> None:
+    def __init__(self, hint: Hint, report: Report, rescan: Callable[[], None]) -> None:
         self._hint = hint
         self._report = report
+        self._rescan = rescan
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if isinstance(event, DirModifiedEvent):
@@ -71,18 +71,25 @@ class _HintHandler(FileSystemEventHandler):
             if isinstance(event, FileMovedEvent | DirMovedEvent) and event.dest_path:
                 self._hint(Path(os.fsdecode(event.dest_path)))
         except Exception as e:  # an exception here would kill watchdog's dispatch thread
-            self._report("watch.handler_error", error=type(e).__name__)
+            # The event is lost with it: a full scan finds what it pointed at.
+            self._report("watch.handler_error", level="warning", error=type(e).__name__,
+                         path=os.fsdecode(event.src_path))
+            try:
+                self._rescan()
+            except Exception as again:
+                self._report("watch.handler_error", level="warning",
+                             error=type(again).__name__, path=os.fsdecode(event.src_path))
 
 
 class Watcher:
     """Owns the observer; can swap native for polling while running."""
 
     def __init__(self, runs: Path, mode: str, hint: Hint, report: Report,
-                 polling_interval_s: float = 1.0) -> None:
+                 polling_interval_s: float = 1.0, *, rescan: Callable[[], None]) -> None:
         self.runs = runs
         self.mode = mode
         self.kind = ""  # "native" or "polling" once started
-        self._handler = _HintHandler(hint, report)
+        self._handler = _HintHandler(hint, report, rescan)
         self._report = report
         self._polling_interval_s = polling_interval_s
         self._observer: BaseObserver | None = None
@@ -167,10 +174,6 @@ class Watcher:
             observer.stop()
             if observer.is_alive():
                 observer.join(timeout=5)
-
-    @property
-    def observer(self) -> Any:
-        return self._observer
 
 
 def inotify_watch_count() -> int | None:

@@ -36,10 +36,17 @@ for _name in (
 # records it in the Authorization header, so tests can check it was sent.
 os.environ["OPENAI_API_KEY"] = "sk-test-loopback"
 
-from collections.abc import Iterator  # noqa: E402 - the environment must be set first
+from collections.abc import Callable, Iterator  # noqa: E402 - the environment must be set first
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.daemon_helpers import (  # noqa: E402
+    InProcessDaemon,
+    Workspace,
+    litellm_warm_and_frozen,
+    release_llm_clients,
+)
 from tests.llm_server import LLMServer  # noqa: E402
 
 LOOPBACK_MODEL = "openai/loopback-model"
@@ -76,3 +83,26 @@ def answer_keys() -> None:
     from skilltrain import leakguard
 
     leakguard.install(leakguard.AnswerKeys(()))
+
+
+@pytest.fixture(scope="module")
+def litellm_frozen() -> Iterator[None]:
+    """litellm imported once per module, out of the collector's sight (see daemon_helpers)."""
+    with litellm_warm_and_frozen():
+        yield
+
+
+@pytest.fixture
+def start_daemon(litellm_frozen: None) -> Iterator[Callable[..., InProcessDaemon]]:
+    """Start in-process daemons; each is stopped (and drained) after the test."""
+    started: list[InProcessDaemon] = []
+
+    def start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
+        d = InProcessDaemon(ws, **kwargs).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in reversed(started):
+        d.stop()
+    release_llm_clients()

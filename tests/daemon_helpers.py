@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +39,19 @@ TEMPLATE = REPO / "prompts" / "loss.md.j2"
 TEMP_PREFIX = ".skilltrain-tmp-"
 
 T = TypeVar("T")
+
+# litellm's client cache can build two clients for one key when the first
+# jobs start at the same moment and drops one without closing it (its idle
+# keep-alive socket is reported when collected); watchdog warns when it
+# re-adds a watch, and as an error that would kill its emitter thread.
+# Neither is the daemon's: modules that run daemons use `pytestmark = THIRD_PARTY_WARNINGS`.
+THIRD_PARTY_WARNINGS = [
+    pytest.mark.filterwarnings(
+        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
+        "pytest.PytestUnraisableExceptionWarning"
+    ),
+    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
+]
 
 # Model episodes start with this line, so a request names the set it is for.
 MARKER = re.compile(r"SETMARK (\S+) epoch=(\d+) step=(\d+) work=(\S+) ep=(\d+)")

@@ -106,6 +106,7 @@ class Reply:
     body: dict[str, Any] | None = None
     raw: bytes = b""
     delay_s: float = 0.0  # wait this long before answering
+    headers: tuple[tuple[str, str], ...] = ()  # sent as they are (e.g. retry-after-ms)
 
     @classmethod
     def ok(
@@ -266,6 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {}
             if reply.retry_after is not None:
                 headers["Retry-After"] = _retry_after_header(reply.retry_after)
+            headers.update(reply.headers)
             body = reply.body if reply.body is not None else error_body(reply.code)
             self._send_json(reply.code, body, headers)
         else:

@@ -5,10 +5,8 @@ loss.failed, or a waiting state whose reason names the file), write nothing
 for the bad set, never send it to the LLM, and leave the daemon processing
 the good sets around it. The daemon is real (watchdog, APScheduler, litellm
 over HTTP to the loopback server); the trees are real files under tmp_path;
-the disk-full cases use a real 200 KiB tmpfs as runs/ (root only, else skipped).
-
-Known bugs are pinned by `xfail(strict=True)` tests: each fails today and will
-report XPASS (and so fail the suite) once fixed, so its marker gets removed.
+the disk-full cases use a real 200 KiB tmpfs as runs/ (root only, else skipped;
+tests/test_atomic.py covers what a failed write leaves without root).
 """
 
 from __future__ import annotations
@@ -769,15 +767,15 @@ class DiskFullResult:
 def disk_full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DiskFullResult]:
     """runs/ on a full 200 KiB tmpfs when a report is due; space is freed after a failure.
 
-    The daemon runs without its main loop (loop=False): that loop writes
-    runs/.skilltrain/state.json, and dies on ENOSPC (see the xfail test below).
+    The daemon runs with its main loop, which writes runs/.skilltrain/state.json
+    and must survive ENOSPC (state.write_failed) while the report is retried.
     """
     server = LLMServer().start()
     ws = disk_full_workspace(tmp_path_factory.mktemp("diskfull"), server.url)
     try:
         with tmpfs_runs(ws):
             s = ws.write_step(R, 1, 1)[0]
-            d = InProcessDaemon(ws, loop=False).start()
+            d = InProcessDaemon(ws).start()
             try:
                 filler = fill(ws.runs)
                 mark_success(ws.scripts(R, 1, 1, "alpha"))  # an empty file needs no page
@@ -852,7 +850,7 @@ def test_disk_full_between_archive_and_report_leaves_nothing_of_the_set(
     ws = disk_full_workspace(tmp_path, llm_server.url, retry_backoff_s=60)  # one attempt
     with tmpfs_runs(ws):
         s = ws.write_step(R, 1, 1)[0]
-        d = InProcessDaemon(ws, loop=False).start()
+        d = InProcessDaemon(ws).start()
         filler = fill(ws.runs, leave_pages=8)
         try:
             mark_success(ws.scripts(R, 1, 1, "alpha"))

@@ -17,26 +17,26 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from watchdog.observers.api import BaseObserver
 
 from skilltrain import status
 from skilltrain.errors import ExitCode
 from tests.daemon_helpers import (
+    THIRD_PARTY_WARNINGS,
     WRITERS,
     ConcurrencyProbe,
     InProcessDaemon,
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     mark_success,
     model_episode,
-    release_llm_clients,
     remove_tree,
     requested_sets,
     run_once_in_process,
@@ -49,45 +49,16 @@ from tests.daemon_helpers import (
 )
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-# litellm's client cache can build two clients for one key when the first
-# jobs start at the same moment and drops one without closing it; its idle
-# keep-alive socket is then reported when garbage-collected. That is
-# litellm's, not the daemon's (the daemon opens no TCP socket of its own).
-#
-# watchdog's inotify emitter warns when `mkdir -p` creates nested folders
-# faster than it adds watches (it re-adds one, harmlessly). With warnings as
-# errors that warning would be raised inside, and kill, the emitter thread.
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+# See daemon_helpers.THIRD_PARTY_WARNINGS; litellm stays imported and frozen
+# for the whole module (the earlier tests pay its import).
+pytestmark = [*THIRD_PARTY_WARNINGS, pytest.mark.usefixtures("litellm_frozen")]
 
 Start = Callable[..., InProcessDaemon]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-
-
 @pytest.fixture
-def start() -> Iterator[Start]:
-    """Start in-process daemons; every one is stopped (and drained) after the test."""
-    started: list[InProcessDaemon] = []
-
-    def _start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
-        d = InProcessDaemon(ws, **kwargs).start()
-        started.append(d)
-        return d
-
-    yield _start
-    for d in reversed(started):
-        d.stop()
-    release_llm_clients()
+def start(start_daemon: Start) -> Start:
+    return start_daemon
 
 
 def all_reported(ws: Workspace, sets: list[SetId]) -> bool:
@@ -512,9 +483,12 @@ def test_watcher_death_stops_the_daemon_with_its_exit_code(
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
     d = start(ws)
-    observer = d.daemon.watcher.observer
+    assert d.daemon.healthy()
+    (observer,) = [t for t in threading.enumerate() if isinstance(t, BaseObserver)]
     observer.stop()  # the observer thread ends under the daemon's feet
     observer.join(timeout=5)
+    assert not d.daemon.healthy()  # the systemd watchdog is no longer fed
+    assert "the filesystem watcher is not running" in d.daemon.health_problems()
     wait_until(d.daemon.stop_event.is_set, 5, message="the daemon to notice")
     assert d.daemon.exit_code == ExitCode.WATCHER_DIED
     assert ws.events("watch.died")
@@ -853,6 +827,8 @@ def test_budget_reached_stops_later_sets_of_the_run(
     assert len(ws.events("budget.reached")) == 1
     assert not any(ws.has_report(s) for s in later)
     assert all(d.daemon.state.get(s.id).reason == "budget reached" for s in later)
+    # Held back, not still being written.
+    assert {d.daemon.state.get(s.id).state for s in later} == {"held"}
 
 
 def test_budget_also_holds_back_jobs_queued_before_it_was_reached(
@@ -880,8 +856,14 @@ def test_runs_folder_deleted_and_recreated_is_watched_again(
     sets = ws.write_step("r1", 1, 1, success=True)
     d = start(ws)
     wait_until(lambda: all_reported(ws, sets), 20, message="the first report")
+    # Nothing left to write (step marker, audit cache): a write in flight
+    # would recreate runs/ under the test's feet.
+    wait_until(lambda: ws.events("step.reported") and ws.events("audit.completed"), 10,
+               message="the daemon idle")
     remove_tree(ws.runs)
     wait_until(lambda: ws.events("watch.root_missing"), 10, message="watch.root_missing")
+    # Waiting is what it should do: with WatchdogSec, unhealthy here gets it killed.
+    assert stays(d.daemon.healthy, 1.5), d.daemon.health_problems()
     ws.runs.mkdir()
     wait_until(lambda: ws.events("watch.restarted"), 10, message="watch.restarted")
     again = ws.write_step("r1", 1, 1, success=True)

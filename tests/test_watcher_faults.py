@@ -397,3 +397,37 @@ def test_tree_created_faster_than_watches_are_added_is_fully_processed(
         if e.get("event") in ("set.error", "watch.handler_error", "watch.died") or "exception" in e
     ]
     assert not problems, problems
+
+
+@pytest.mark.parametrize("mode", ["native", "polling"])
+def test_a_hint_that_raises_is_a_warning_and_a_rescan_not_a_dead_watcher(
+    tmp_path: Path, mode: str
+) -> None:
+    """A handler exception would kill watchdog's dispatch thread, and its event
+    is lost: the watcher says so at warning and asks for a full scan."""
+    from skilltrain.watcher import Watcher
+
+    reports: list[tuple[str, dict[str, Any]]] = []
+    rescans: list[float] = []
+    hints: list[Path] = []
+
+    def hint(path: Path) -> None:
+        hints.append(path)
+        if len(hints) == 1:
+            raise RuntimeError("a bug in the daemon's hint")
+
+    watcher = Watcher(tmp_path, mode, hint, lambda event, **kw: reports.append((event, kw)),
+                      polling_interval_s=0.1, rescan=lambda: rescans.append(time.monotonic()))
+    watcher.start()
+    try:
+        (tmp_path / "ep01.txt").write_text("first\n")
+        wait_until(lambda: rescans, 5, message="a rescan")
+        (tmp_path / "ep02.txt").write_text("second\n")
+        wait_until(lambda: any(p.name == "ep02.txt" for p in hints), 5, message="the next hint")
+        assert watcher.alive()
+    finally:
+        watcher.stop()
+    errors = [kw for event, kw in reports if event == "watch.handler_error"]
+    assert errors[0] == {"level": "warning", "error": "RuntimeError",
+                         "path": str(tmp_path / "ep01.txt")}
+    assert len(errors) == 1 and len(rescans) == 1
