@@ -572,7 +572,7 @@ class Daemon:
             result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
                               on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
                               hooks=loss.LossHooks(started=started, retry=retry),
-                              sleep=self._interruptible_sleep)
+                              complete=self.complete, sleep=self._interruptible_sleep)
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
             self._fail(key, fp, attempts, str(e), event="loss.refused")
