@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import craft_distance, craft_metrics, tail
+from skilltrain import craft_distance, craft_measuring, craft_parsing, tail
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,
@@ -63,7 +63,7 @@ HUMAN = _episodes("human", 3, 6, model=False)
 
 def test_distance_is_zero_at_a_match_and_grows_with_every_gap() -> None:
     assert craft_distance.of_episodes(HUMAN, HUMAN).value == 0.0
-    human = craft_metrics.measure([craft_metrics.parse_screenplay(t) for t in HUMAN.values()])
+    human = craft_measuring.measure([craft_parsing.parse_screenplay(t) for t in HUMAN.values()])
     assert human.scene_words_mean and human.speech_words_mean
     last = 0.0
     for factor in (1.1, 1.5, 2, 4, 16, 1000):
