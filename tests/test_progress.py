@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import craft_distance, craft_measuring, craft_parsing, tail
+from skilltrain import craft_distance, craft_measuring, craft_parsing, tail_format
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,
@@ -200,11 +200,11 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     print(f"progress --json: {took:.3f}s")
 
     # The step line of `skilltrain tail` shows both numbers.
-    line = tail.format_event(second)
+    line = tail_format.format_event(second)
     assert f"distance={second['craft_distance']:.4f}" in line
     assert f"change={second['craft_distance_change']:+.4f}" in line
-    assert "change=-" in tail.format_event(first)
-    assert "cached=0 cache_write=40 " in tail.format_event(completed[0])
+    assert "change=-" in tail_format.format_event(first)
+    assert "cached=0 cache_write=40 " in tail_format.format_event(completed[0])
 
 
 def test_metrics_endpoint_counts_what_the_daemon_does(
