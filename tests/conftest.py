@@ -36,11 +36,15 @@ for _name in (
 # records it in the Authorization header, so tests can check it was sent.
 os.environ["OPENAI_API_KEY"] = "sk-test-loopback"
 
-from collections.abc import Iterator  # noqa: E402 - the environment must be set first
+from collections.abc import Callable, Iterator  # noqa: E402 - the environment must be set first
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.llm_server import LLMServer  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.daemon_helpers import InProcessDaemon, Workspace
 
 LOOPBACK_MODEL = "openai/loopback-model"
 
@@ -59,3 +63,33 @@ def llm_server() -> Iterator[LLMServer]:
 def llm_model() -> str:
     """The litellm model id to use with `llm_server` (pass api_base=llm_server.url)."""
     return LOOPBACK_MODEL
+
+
+@pytest.fixture(scope="module")
+def litellm_frozen() -> Iterator[None]:
+    """litellm imported and frozen out of the collector for the module
+    (tests.daemon_helpers.litellm_warm_and_frozen); its clients closed after."""
+    from tests.daemon_helpers import litellm_warm_and_frozen, release_llm_clients
+
+    with litellm_warm_and_frozen():
+        yield
+    release_llm_clients()
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., InProcessDaemon]]:
+    """Start in-process daemons (`start(ws, **kwargs)`); every one is stopped
+    (and drained) after the test."""
+    from tests.daemon_helpers import InProcessDaemon, release_llm_clients
+
+    started: list[InProcessDaemon] = []
+
+    def _start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
+        d = InProcessDaemon(ws, **kwargs).start()
+        started.append(d)
+        return d
+
+    yield _start
+    for d in reversed(started):
+        d.stop()
+    release_llm_clients()

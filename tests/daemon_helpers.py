@@ -672,6 +672,10 @@ class InProcessDaemon:
         self.stop()
 
 
+# What the `start` fixture (tests/conftest.py) gives a test: start(ws, **kwargs).
+Start = Callable[..., InProcessDaemon]
+
+
 def run_once_in_process(ws: Workspace) -> None:
     """`skilltrain daemon --once`, in this process: process all that is ready, return."""
     d = InProcessDaemon(ws, once=True).start()

@@ -17,7 +17,6 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,14 +28,12 @@ from skilltrain.errors import ExitCode
 from tests.daemon_helpers import (
     WRITERS,
     ConcurrencyProbe,
-    InProcessDaemon,
     SetId,
+    Start,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     mark_success,
     model_episode,
-    release_llm_clients,
     remove_tree,
     requested_sets,
     run_once_in_process,
@@ -47,47 +44,10 @@ from tests.daemon_helpers import (
     write_slowly,
     write_step_with,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-# litellm's client cache can build two clients for one key when the first
-# jobs start at the same moment and drops one without closing it; its idle
-# keep-alive socket is then reported when garbage-collected. That is
-# litellm's, not the daemon's (the daemon opens no TCP socket of its own).
-#
-# watchdog's inotify emitter warns when `mkdir -p` creates nested folders
-# faster than it adds watches (it re-adds one, harmlessly). With warnings as
-# errors that warning would be raised inside, and kill, the emitter thread.
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
-
-Start = Callable[..., InProcessDaemon]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-
-
-@pytest.fixture
-def start() -> Iterator[Start]:
-    """Start in-process daemons; every one is stopped (and drained) after the test."""
-    started: list[InProcessDaemon] = []
-
-    def _start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
-        d = InProcessDaemon(ws, **kwargs).start()
-        started.append(d)
-        return d
-
-    yield _start
-    for d in reversed(started):
-        d.stop()
-    release_llm_clients()
+pytestmark = DAEMON_TEST_MARKS
 
 
 def all_reported(ws: Workspace, sets: list[SetId]) -> bool:

@@ -14,7 +14,6 @@ import json
 import re
 import socket
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,30 +24,16 @@ from tests.daemon_helpers import (
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     mark_success,
-    release_llm_clients,
     run_cli,
     run_once_in_process,
     screenplay,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-    release_llm_clients()
+pytestmark = DAEMON_TEST_MARKS
 
 
 # ------------------------------------------------------------------- the number
