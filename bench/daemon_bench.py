@@ -35,18 +35,24 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tests.llm_server: stdlib only, lives outside the package
+sys.path.insert(0, str(REPO))  # tests/: the loopback server and the workspace builders
 
 from skilltrain import dataset  # noqa: E402
 from skilltrain.config import IntegrityConfig  # noqa: E402
 from skilltrain.templates import PromptTemplates  # noqa: E402
+from tests.daemon_helpers import (  # noqa: E402
+    LOG_NAME,
+    LOOPBACK_MODEL,
+    config_toml,
+    lay_out_workspace,
+    write_human_episodes,
+)
 from tests.llm_server import LLMServer  # noqa: E402
 
 BIN = REPO / ".venv" / "bin"
 SKILLTRAIN = str(BIN / "skilltrain") if (BIN / "skilltrain").exists() else "skilltrain"
-MODEL = "openai/loopback-model"
+MODEL = LOOPBACK_MODEL
 EXAMPLE = REPO / "data" / "example"
-TEMPLATE = REPO / "prompts" / "loss.md.j2"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -111,9 +117,7 @@ class Workspace:
 
     def __post_init__(self) -> None:
         self.config = self.root / "config.toml"
-        for name in ("data", "prompts", "runs"):
-            (self.root / name).mkdir(parents=True, exist_ok=True)
-        shutil.copy(TEMPLATE, self.root / "prompts" / TEMPLATE.name)
+        lay_out_workspace(self.root)
 
     @property
     def runs(self) -> Path:
@@ -125,19 +129,16 @@ class Workspace:
 
     @property
     def log_file(self) -> Path:
-        return self.root / "skilltrain.jsonl"
+        return self.root / LOG_NAME
 
     def add_work(
         self, name: str, human: dict[int, str], ranges: list[tuple[int, int]] | None = None
     ) -> Path:
-        human_dir = self.data / name / "human"
-        human_dir.mkdir(parents=True, exist_ok=True)
-        for n, text in human.items():
-            (human_dir / dataset.episode_name(n)).write_text(text, encoding="utf-8")
+        work = write_human_episodes(self.root, name, human)
         if ranges is not None:
             pairs = ", ".join(f"[{a}, {b}]" for a, b in ranges)
-            (self.data / name / "work.toml").write_text(f"ranges = [{pairs}]\n")
-        return self.data / name
+            (work / "work.toml").write_text(f"ranges = [{pairs}]\n")
+        return work
 
     def write_config(
         self,
@@ -150,36 +151,22 @@ class Workspace:
         episodes_per_report: int = 3,
         audit: bool | None = None,
     ) -> Path:
-        integrity = ""
+        sections: dict[str, dict[str, Any]] = {}
         if audit is not None and "audit_on_start" in IntegrityConfig.model_fields:
-            integrity = f"\n[integrity]\naudit_on_start = {str(audit).lower()}\n"
-        self.config.write_text(
-            f"""\
-[paths]
-data = "data"
-runs = "runs"
-prompts = "prompts"
-
-[llm]
-model = "{MODEL}"
-api_base = "{api_base}"
-timeout = 60
-
-[loss]
-episodes_per_report = {episodes_per_report}
-settle_seconds = {settle_s}
-concurrency = {concurrency}
-
-[watch]
-resync_seconds = {resync_s}
-observer = "{observer}"
-
-[log]
-file = "{self.log_file}"
-level = "info"
-{integrity}""",
-            encoding="utf-8",
+            sections["integrity"] = {"audit_on_start": audit}
+        text = config_toml(
+            api_base,
+            llm={"timeout": 60},
+            loss={
+                "episodes_per_report": episodes_per_report,
+                "settle_seconds": settle_s,
+                "concurrency": concurrency,
+            },
+            watch={"resync_seconds": resync_s, "observer": observer},
+            log_file=self.log_file,
+            sections=sections,
         )
+        self.config.write_text(text, encoding="utf-8")
         return self.config
 
 

@@ -53,14 +53,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests/: the loopback server and the episode generators
 
 from tests.daemon_helpers import (  # noqa: E402
+    LOG_NAME,
     SKILLTRAIN,
-    TEMPLATE,
     SetId,
+    config_toml,
+    human_screenplays,
+    lay_out_workspace,
     model_episode,
     requested_sets,
-    screenplay,
     sha256_text,
     subprocess_env,
+    write_human_episodes,
 )
 from tests.llm_server import LLMServer  # noqa: E402
 
@@ -106,52 +109,28 @@ class Soak:
 
     @property
     def log_file(self) -> Path:
-        return self.root / "skilltrain.jsonl"
+        return self.root / LOG_NAME
 
     @property
     def config(self) -> Path:
         return self.root / "config.toml"
 
     def prepare(self, api_base: str) -> None:
+        lay_out_workspace(self.root)
         for work in WORKS:
-            human = self.root / "data" / work / "human"
-            human.mkdir(parents=True)
-            for ep in range(1, EPISODES + 1):
-                text = screenplay(f"human/{work}/{ep}", scenes=4)
-                (human / f"ep{ep:02d}.txt").write_text(text, encoding="utf-8")
-        (self.root / "prompts").mkdir()
-        shutil.copy(TEMPLATE, self.root / "prompts" / TEMPLATE.name)
-        self.runs.mkdir()
-        self.config.write_text(
-            f"""\
-[paths]
-data = "data"
-runs = "runs"
-prompts = "prompts"
-
-[llm]
-model = "openai/loopback-model"
-api_base = "{api_base}"
-timeout = 30
-max_retries = 2
-backoff_initial_s = 0.2
-backoff_max_s = 2.0
-
-[loss]
-episodes_per_report = {EPISODES}
-settle_seconds = {self.settle_s}
-concurrency = {self.concurrency}
-
-[watch]
-resync_seconds = {self.resync_s}
-observer = "auto"
-
-[log]
-file = "{self.log_file}"
-level = "info"
-""",
-            encoding="utf-8",
+            write_human_episodes(self.root, work, human_screenplays(work, EPISODES, scenes=4))
+        text = config_toml(
+            api_base,
+            llm={"timeout": 30, "max_retries": 2, "backoff_initial_s": 0.2, "backoff_max_s": 2.0},
+            loss={
+                "episodes_per_report": EPISODES,
+                "settle_seconds": self.settle_s,
+                "concurrency": self.concurrency,
+            },
+            watch={"resync_seconds": self.resync_s, "observer": "auto"},
+            log_file=self.log_file,
         )
+        self.config.write_text(text, encoding="utf-8")
 
     def all_sets(self) -> list[SetId]:
         out = []

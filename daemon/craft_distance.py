@@ -9,7 +9,7 @@ a stop rule) see whether step 7 is closer to the human craft than step 2.
     g        = |ln((model_s + floor_s) / (human_s + floor_s))|
 
 - The statistics, their floors and their weights are the built-in reviewer's
-  (`craft_metrics.METRICS`): one definition of "craft gap" in the project.
+  (`craft_report.METRICS`): one definition of "craft gap" in the project.
   The shares are those weights divided by their sum, so the distance lies
   in [0, 1).
 - A log ratio is scale-free: 20 words against 10 is the same gap as 2,000
@@ -34,14 +34,14 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from skilltrain import craft_metrics
+from skilltrain import craft_measuring, craft_parsing, craft_report
 
 # Bump when the definition changes: numbers of two versions are not comparable.
 VERSION = 1
 HALF_AT = math.log(2)  # the gap (a factor of 2) that gives half a statistic's share
 
-_TOTAL_WEIGHT = sum(m.weight for m in craft_metrics.METRICS)
-SHARES: dict[str, float] = {m.key: m.weight / _TOTAL_WEIGHT for m in craft_metrics.METRICS}
+_TOTAL_WEIGHT = sum(m.weight for m in craft_report.METRICS)
+SHARES: dict[str, float] = {m.key: m.weight / _TOTAL_WEIGHT for m in craft_report.METRICS}
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,13 @@ def saturate(gap: float) -> float:
     return gap / (gap + HALF_AT)
 
 
-def between(human: craft_metrics.ScreenplayStats,
-            model: craft_metrics.ScreenplayStats) -> CraftDistance:
+def between(human: craft_measuring.ScreenplayStats,
+            model: craft_measuring.ScreenplayStats) -> CraftDistance:
     """The distance between two measured sides."""
     gaps = {g.metric.key: g.score / g.metric.weight
-            for g in craft_metrics.rank_gaps(human, model)}
+            for g in craft_report.rank_gaps(human, model)}
     parts: dict[str, float] = {}
-    for metric in craft_metrics.METRICS:
+    for metric in craft_report.METRICS:
         gap = gaps.get(metric.key)
         if gap is not None:
             fraction = saturate(gap)
@@ -98,8 +98,8 @@ def of_episodes(human: Mapping[int, str], model: Mapping[int, str], *,
     return between(human_stats, _measure(model))
 
 
-def _measure(episodes: Mapping[int, str]) -> craft_metrics.ScreenplayStats:
-    return craft_metrics.measure([craft_metrics.parse_screenplay(episodes[n])
+def _measure(episodes: Mapping[int, str]) -> craft_measuring.ScreenplayStats:
+    return craft_measuring.measure([craft_parsing.parse_screenplay(episodes[n])
                                   for n in sorted(episodes)])
 
 
@@ -108,16 +108,16 @@ class _StatsCache:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, craft_metrics.ScreenplayStats] = OrderedDict()
+        self._items: OrderedDict[str, craft_measuring.ScreenplayStats] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> craft_metrics.ScreenplayStats | None:
+    def get(self, key: str) -> craft_measuring.ScreenplayStats | None:
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
             return self._items.get(key)
 
-    def put(self, key: str, stats: craft_metrics.ScreenplayStats) -> None:
+    def put(self, key: str, stats: craft_measuring.ScreenplayStats) -> None:
         with self._lock:
             self._items[key] = stats
             self._items.move_to_end(key)

@@ -51,9 +51,9 @@ def litellm() -> ModuleType:
             from skilltrain import log
 
             log.adopt_library_loggers()  # litellm's own stdout handlers: route through ours
-            from skilltrain import craft_metrics
+            from skilltrain import craft_provider
 
-            craft_metrics.register()
+            craft_provider.register()
             _litellm = module
     return _litellm
 
@@ -166,9 +166,9 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
     lm = litellm()
     if settings.model.startswith(BUILTIN_PREFIX):
         # Other code may have replaced litellm.custom_provider_map since.
-        from skilltrain import craft_metrics
+        from skilltrain import craft_provider
 
-        craft_metrics.register()
+        craft_provider.register()
     kwargs: dict[str, Any] = {
         "model": settings.model,
         "messages": list(messages),

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from skilltrain import atomic, craft_distance, craft_metrics, dataset, leakguard, llm
+from skilltrain import atomic, craft_distance, craft_prompt, dataset, leakguard, llm
 from skilltrain.config import LLMConfig
 from skilltrain.errors import BadOutputError, RefusedError
 from skilltrain.templates import PromptTemplates
@@ -128,8 +128,8 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         template=template.source_hash,
         model_id=settings.model,
     )
-    human_block = craft_metrics.format_episodes("Human", human)
-    model_block = craft_metrics.format_episodes("Model", model)
+    human_block = craft_prompt.format_episodes("Human", human)
+    model_block = craft_prompt.format_episodes("Model", model)
     fields = dict(work=job.work.name, title=job.work.title,
                   episode_range=f"{job.first}-{job.last}", model_scripts=model_block)
     prompt = template.render(human_scripts=human_block, **fields)

@@ -37,17 +37,14 @@ for _name in (
 os.environ["OPENAI_API_KEY"] = "sk-test-loopback"
 
 from collections.abc import Callable, Iterator  # noqa: E402 - the environment must be set first
-from typing import Any  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.daemon_helpers import (  # noqa: E402
-    InProcessDaemon,
-    Workspace,
-    litellm_warm_and_frozen,
-    release_llm_clients,
-)
 from tests.llm_server import LLMServer  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.daemon_helpers import InProcessDaemon, Workspace
 
 LOOPBACK_MODEL = "openai/loopback-model"
 
@@ -68,6 +65,36 @@ def llm_model() -> str:
     return LOOPBACK_MODEL
 
 
+@pytest.fixture(scope="module")
+def litellm_frozen() -> Iterator[None]:
+    """litellm imported and frozen out of the collector for the module
+    (tests.daemon_helpers.litellm_warm_and_frozen); its clients closed after."""
+    from tests.daemon_helpers import litellm_warm_and_frozen, release_llm_clients
+
+    with litellm_warm_and_frozen():
+        yield
+    release_llm_clients()
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., InProcessDaemon]]:
+    """Start in-process daemons (`start(ws, **kwargs)`); every one is stopped
+    (and drained) after the test."""
+    from tests.daemon_helpers import InProcessDaemon, release_llm_clients
+
+    started: list[InProcessDaemon] = []
+
+    def _start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
+        d = InProcessDaemon(ws, **kwargs).start()
+        started.append(d)
+        return d
+
+    yield _start
+    for d in reversed(started):
+        d.stop()
+    release_llm_clients()
+
+
 @pytest.fixture(autouse=True)
 def _answer_keys_reset() -> Iterator[None]:
     """A daemon installs the answer keys process-wide; no test inherits another's."""
@@ -83,26 +110,3 @@ def answer_keys() -> None:
     from skilltrain import leakguard
 
     leakguard.install(leakguard.AnswerKeys(()))
-
-
-@pytest.fixture(scope="module")
-def litellm_frozen() -> Iterator[None]:
-    """litellm imported once per module, out of the collector's sight (see daemon_helpers)."""
-    with litellm_warm_and_frozen():
-        yield
-
-
-@pytest.fixture
-def start_daemon(litellm_frozen: None) -> Iterator[Callable[..., InProcessDaemon]]:
-    """Start in-process daemons; each is stopped (and drained) after the test."""
-    started: list[InProcessDaemon] = []
-
-    def start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
-        d = InProcessDaemon(ws, **kwargs).start()
-        started.append(d)
-        return d
-
-    yield start
-    for d in reversed(started):
-        d.stop()
-    release_llm_clients()

@@ -23,12 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-import pytest
 
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
@@ -39,19 +37,6 @@ TEMPLATE = REPO / "prompts" / "loss.md.j2"
 TEMP_PREFIX = ".skilltrain-tmp-"
 
 T = TypeVar("T")
-
-# litellm's client cache can build two clients for one key when the first
-# jobs start at the same moment and drops one without closing it (its idle
-# keep-alive socket is reported when collected); watchdog warns when it
-# re-adds a watch, and as an error that would kill its emitter thread.
-# Neither is the daemon's: modules that run daemons use `pytestmark = THIRD_PARTY_WARNINGS`.
-THIRD_PARTY_WARNINGS = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
 
 # Model episodes start with this line, so a request names the set it is for.
 MARKER = re.compile(r"SETMARK (\S+) epoch=(\d+) step=(\d+) work=(\S+) ep=(\d+)")
@@ -167,7 +152,7 @@ class Workspace:
     log_file: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        self.log_file = self.root / "skilltrain.jsonl"
+        self.log_file = self.root / LOG_NAME
 
     @property
     def data(self) -> Path:
@@ -295,6 +280,67 @@ def read_events(path: Path, name: str | None = None, **match: Any) -> list[dict[
     return out
 
 
+LOOPBACK_MODEL = "openai/loopback-model"
+LOG_NAME = "skilltrain.jsonl"
+
+
+def lay_out_workspace(root: Path) -> None:
+    """data/, runs/ and prompts/ with the loss template under root (tests and benches)."""
+    for name in ("data", "runs", "prompts"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    shutil.copy(TEMPLATE, root / "prompts" / TEMPLATE.name)
+
+
+def write_human_episodes(root: Path, work: str, episodes: Mapping[int, str]) -> Path:
+    """data/<work>/human/epNN.txt, the answer key; returns data/<work>."""
+    human = root / "data" / work / "human"
+    human.mkdir(parents=True, exist_ok=True)
+    for ep, text in episodes.items():
+        (human / f"ep{ep:02d}.txt").write_text(text, encoding="utf-8")
+    return human.parent
+
+
+def human_screenplays(work: str, count: int, scenes: int = 3) -> dict[int, str]:
+    """Generated human episodes 1..count of a work (seeded by work and number)."""
+    return {ep: screenplay(f"human/{work}/{ep}", scenes=scenes) for ep in range(1, count + 1)}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str | Path):
+        return json.dumps(str(value))
+    return str(value)
+
+
+def config_toml(
+    llm_url: str,
+    *,
+    llm: Mapping[str, Any] | None = None,
+    loss: Mapping[str, Any] | None = None,
+    watch: Mapping[str, Any] | None = None,
+    log_file: str | Path = LOG_NAME,
+    sections: Mapping[str, Mapping[str, Any]] | None = None,
+    extra: str = "",
+) -> str:
+    """A config.toml against the loopback server: paths relative to the workspace,
+    then each section's keys in the order given; `extra` is appended as is."""
+    doc: dict[str, Mapping[str, Any]] = {
+        "paths": {"data": "data", "runs": "runs", "prompts": "prompts"},
+        "llm": {"model": LOOPBACK_MODEL, "api_base": llm_url, **(llm or {})},
+        "loss": loss or {},
+        "watch": watch or {},
+        "log": {"file": log_file, "level": "info"},
+        **(sections or {}),
+    }
+    text = "\n".join(
+        f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keys.items())
+        for name, keys in doc.items()
+        if keys
+    )
+    return f"{text}{extra}\n"
+
+
 def build_workspace(
     root: Path,
     llm_url: str,
@@ -313,52 +359,30 @@ def build_workspace(
 ) -> Workspace:
     """data/<work>/human/ep01..NN.txt, prompts/loss.md.j2, runs/ and config.toml under root."""
     works = works if works is not None else {"alpha": 6}
-    root.mkdir(parents=True, exist_ok=True)
+    lay_out_workspace(root)
     for work, episodes in works.items():
-        human = root / "data" / work / "human"
-        human.mkdir(parents=True)
-        for ep in range(1, episodes + 1):
-            (human / f"ep{ep:02d}.txt").write_text(
-                screenplay(f"human/{work}/{ep}"), encoding="utf-8"
-            )
-    (root / "prompts").mkdir()
-    shutil.copy(TEMPLATE, root / "prompts" / "loss.md.j2")
-    (root / "runs").mkdir()
+        write_human_episodes(root, work, human_screenplays(work, episodes))
     config_path = root / "config.toml"
     config_path.write_text(
-        f"""\
-[paths]
-data = "data"
-runs = "runs"
-prompts = "prompts"
-
-[llm]
-model = "openai/loopback-model"
-api_base = "{llm_url}"
-timeout = {llm_timeout_s}
-max_retries = 1
-backoff_initial_s = 0.05
-backoff_max_s = 0.2
-
-[loss]
-episodes_per_report = {per_report}
-settle_seconds = {settle_s}
-concurrency = {concurrency}
-max_attempts = {max_attempts}
-retry_backoff_s = {retry_backoff_s}
-
-[watch]
-resync_seconds = {resync_s}
-observer = "{observer}"
-
-[log]
-file = "skilltrain.jsonl"
-level = "info"
-
-[daemon]
-shutdown_timeout_s = {shutdown_timeout_s}
-{extra}
-""",
+        config_toml(
+            llm_url,
+            llm={
+                "timeout": llm_timeout_s,
+                "max_retries": 1,
+                "backoff_initial_s": 0.05,
+                "backoff_max_s": 0.2,
+            },
+            loss={
+                "episodes_per_report": per_report,
+                "settle_seconds": settle_s,
+                "concurrency": concurrency,
+                "max_attempts": max_attempts,
+                "retry_backoff_s": retry_backoff_s,
+            },
+            watch={"resync_seconds": resync_s, "observer": observer},
+            sections={"daemon": {"shutdown_timeout_s": shutdown_timeout_s}},
+            extra=extra,
+        ),
         encoding="utf-8",
     )
     return Workspace(root=root, config_path=config_path, works=dict(works), per_report=per_report)
@@ -685,6 +709,10 @@ class InProcessDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# What the `start` fixture (tests/conftest.py) gives a test: start(ws, **kwargs).
+Start = Callable[..., InProcessDaemon]
 
 
 def run_once_in_process(ws: Workspace) -> None:

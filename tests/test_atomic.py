@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import (
-    THIRD_PARTY_WARNINGS,
     SetId,
     Workspace,
     build_workspace,
@@ -28,6 +27,7 @@ from tests.daemon_helpers import (
     sha256_text,
     subprocess_env,
 )
+from tests.daemon_marks import THIRD_PARTY_WARNINGS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
 pytestmark = THIRD_PARTY_WARNINGS

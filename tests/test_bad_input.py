@@ -19,7 +19,7 @@ import re
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +33,9 @@ from tests.daemon_helpers import (
     DaemonProcess,
     InProcessDaemon,
     SetId,
+    Start,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     mark_success,
     model_episode,
     release_llm_clients,
@@ -46,43 +46,12 @@ from tests.daemon_helpers import (
     subprocess_env,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
 
-# Same two filters as tests/test_daemon.py, for the same reasons: litellm's
-# client cache may drop an unclosed keep-alive socket, and watchdog warns when
-# `mkdir -p` outruns its watches (harmless; as an error it would kill its thread).
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
-Start = Callable[..., InProcessDaemon]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-
-
-@pytest.fixture
-def start() -> Iterator[Start]:
-    """Start in-process daemons; each is stopped (and drained) after the test."""
-    started: list[InProcessDaemon] = []
-
-    def _start(ws: Workspace, **kwargs: Any) -> InProcessDaemon:
-        d = InProcessDaemon(ws, **kwargs).start()
-        started.append(d)
-        return d
-
-    yield _start
-    for d in reversed(started):
-        d.stop()
-    release_llm_clients()
 
 
 # tests.daemon_helpers.MARKER with names that may hold spaces.

@@ -15,7 +15,13 @@ import pytest
 # Before litellm is imported anywhere: no cost-map download.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from skilltrain import craft_metrics as cm  # noqa: E402
+from skilltrain import (  # noqa: E402
+    craft_measuring,
+    craft_parsing,
+    craft_prompt,
+    craft_provider,
+    craft_report,
+)
 from skilltrain.errors import RefusedError  # noqa: E402
 
 # Hand-counted: 51 words in all (CONT'D is one word, V.O. two), three scenes of
@@ -200,9 +206,9 @@ def prompt_for(human: dict[int, str], model: dict[int, str]) -> str:
     """A rendered loss prompt as a user's template might shape it."""
     return (
         "You are a script editor. Compare the two screenplays.\n\n"
-        f"{cm.format_episodes('human', human)}\n\n"
+        f"{craft_prompt.format_episodes('human', human)}\n\n"
         "And here is the model's attempt:\n\n"
-        f"{cm.format_episodes('model', model)}\n\n"
+        f"{craft_prompt.format_episodes('model', model)}\n\n"
         "Write the report below, ordered by importance.\n"
     )
 
@@ -223,14 +229,14 @@ def synthetic(
 
 
 def test_parse_screenplay_counts_a_hand_made_episode() -> None:
-    b = cm.parse_screenplay(SMALL)
+    b = craft_parsing.parse_screenplay(SMALL)
     assert b.words == 50
     assert b.scene_words == (19, 9, 1)
     assert b.speeches == (
-        cm.Speech("MARA", 3, 1, True),
-        cm.Speech("JONAH", 6, 0, False),
-        cm.Speech("JONAH", 4, 0, False),
-        cm.Speech("MARA", 1, 0, False),
+        craft_parsing.Speech("MARA", 3, 1, True),
+        craft_parsing.Speech("JONAH", 6, 0, False),
+        craft_parsing.Speech("JONAH", 4, 0, False),
+        craft_parsing.Speech("MARA", 1, 0, False),
     )
     assert b.action_blocks == (8, 1, 5)  # "BANG." stands alone: action, not a cue
     assert b.transitions == 2
@@ -238,7 +244,9 @@ def test_parse_screenplay_counts_a_hand_made_episode() -> None:
 
 
 def test_measure_pools_episodes_with_exact_values() -> None:
-    s = cm.measure([cm.parse_screenplay(SMALL), cm.parse_screenplay(SMALL)])
+    s = craft_measuring.measure(
+        [craft_parsing.parse_screenplay(SMALL), craft_parsing.parse_screenplay(SMALL)]
+    )
     assert s.episodes == 2
     assert s.words == 100 and s.words_per_episode == 50.0
     assert s.scenes == 6 and s.scenes_per_episode == 3.0
@@ -257,7 +265,9 @@ def test_measure_pools_episodes_with_exact_values() -> None:
 
 
 def test_measure_of_text_without_scenes_or_speech_reports_none() -> None:
-    s = cm.measure([cm.parse_screenplay("A field. Wind.\n\nNothing moves.\n")])
+    s = craft_measuring.measure(
+        [craft_parsing.parse_screenplay("A field. Wind.\n\nNothing moves.\n")]
+    )
     assert (s.scenes, s.speeches, s.words) == (0, 0, 5)
     assert s.scene_words_mean is None and s.speech_words_mean is None
     assert s.dialogue_share == 0.0 and s.top_speaker is None
@@ -280,7 +290,7 @@ def test_measure_of_text_without_scenes_or_speech_reports_none() -> None:
     ],
 )
 def test_cue_name(line: str, name: str | None) -> None:
-    assert cm.cue_name(line) == name
+    assert craft_parsing.cue_name(line) == name
 
 
 # --------------------------------------------------------------------------- prompt blocks
@@ -289,14 +299,14 @@ def test_cue_name(line: str, name: str | None) -> None:
 def test_format_parse_round_trip_keeps_indentation_and_trims_blank_lines() -> None:
     human = {2: "\n\n    INT. HALL - DAY\n\n  Steps.\n\n", 1: "EXT. ROAD - NIGHT\n\nCars.\n"}
     model = {1: "EXT. ROAD - NIGHT\n\nA car.", 2: "INT. HALL - DAY\n\n\nSteps echo.\n"}
-    block = cm.format_episodes("human", human)
-    assert block.splitlines()[0] == cm.HUMAN_HEADER.format(n=1) == "=== Human EP 01 ==="
-    assert cm.MODEL_HEADER.format(n=12) == "=== Model EP 12 ==="
-    pair = cm.parse_episodes(prompt_for(human, model))
+    block = craft_prompt.format_episodes("human", human)
+    assert block.splitlines()[0] == craft_prompt.HUMAN_HEADER.format(n=1) == "=== Human EP 01 ==="
+    assert craft_prompt.MODEL_HEADER.format(n=12) == "=== Model EP 12 ==="
+    pair = craft_prompt.parse_episodes(prompt_for(human, model))
     assert pair.human == {1: "EXT. ROAD - NIGHT\n\nCars.", 2: "    INT. HALL - DAY\n\n  Steps."}
     assert pair.model == {1: "EXT. ROAD - NIGHT\n\nA car.", 2: "INT. HALL - DAY\n\n\nSteps echo."}
     # Formatting what was parsed gives the same block again.
-    assert cm.format_episodes("human", pair.human) == block
+    assert craft_prompt.format_episodes("human", pair.human) == block
 
 
 def test_parse_sections_end_at_the_next_header_or_an_end_line() -> None:
@@ -304,20 +314,20 @@ def test_parse_sections_end_at_the_next_header_or_an_end_line() -> None:
         "=== Model EP 01 ===\nA.\n=== Human EP 01 ===\nB.\n=== End of screenplays\n"
         "Template prose that is not a screenplay.\n"
     )
-    pair = cm.parse_episodes(text)
+    pair = craft_prompt.parse_episodes(text)
     assert pair.model == {1: "A."} and pair.human == {1: "B."}
 
 
 def test_missing_side_is_refused_without_quoting_the_text() -> None:
-    only_human = cm.format_episodes("human", HUMAN)
-    with pytest.raises(cm.CraftMetricsError, match="no model episodes") as info:
-        cm.parse_episodes(only_human)
+    only_human = craft_prompt.format_episodes("human", HUMAN)
+    with pytest.raises(craft_prompt.CraftMetricsError, match="no model episodes") as info:
+        craft_prompt.parse_episodes(only_human)
     assert isinstance(info.value, RefusedError)
     assert "Rain" not in str(info.value)
-    with pytest.raises(cm.CraftMetricsError, match="no human and no model"):
-        cm.parse_episodes("Compare the screenplays.")
-    with pytest.raises(cm.CraftMetricsError, match="no human episodes"):
-        cm.build_report({}, MODEL)
+    with pytest.raises(craft_prompt.CraftMetricsError, match="no human and no model"):
+        craft_prompt.parse_episodes("Compare the screenplays.")
+    with pytest.raises(craft_prompt.CraftMetricsError, match="no human episodes"):
+        craft_report.build_report({}, MODEL)
 
 
 @pytest.mark.parametrize(
@@ -329,25 +339,25 @@ def test_missing_side_is_refused_without_quoting_the_text() -> None:
     ],
 )
 def test_incomplete_pairs_are_refused(text: str, message: str) -> None:
-    with pytest.raises(cm.CraftMetricsError, match=message):
-        cm.parse_episodes(text)
+    with pytest.raises(craft_prompt.CraftMetricsError, match=message):
+        craft_prompt.parse_episodes(text)
 
 
 def test_format_refuses_empty_episodes_and_marker_lines() -> None:
-    with pytest.raises(cm.CraftMetricsError, match="episode 03 is empty"):
-        cm.format_episodes("model", {3: "\n  \n"})
-    with pytest.raises(cm.CraftMetricsError, match="marker"):
-        cm.format_episodes("model", {1: "A.\n=== Human EP 02 ===\nB."})
+    with pytest.raises(craft_prompt.CraftMetricsError, match="episode 03 is empty"):
+        craft_prompt.format_episodes("model", {3: "\n  \n"})
+    with pytest.raises(craft_prompt.CraftMetricsError, match="marker"):
+        craft_prompt.format_episodes("model", {1: "A.\n=== Human EP 02 ===\nB."})
     with pytest.raises(ValueError, match="kind"):
-        cm.format_episodes("writer", {1: "A."})
+        craft_prompt.format_episodes("writer", {1: "A."})
 
 
 # --------------------------------------------------------------------------- report
 
 
 def test_report_is_deterministic_and_opens_with_the_required_line() -> None:
-    first = cm.report_for_prompt(prompt_for(HUMAN, MODEL))
-    assert first == cm.report_for_prompt(prompt_for(HUMAN, MODEL))
+    first = craft_report.report_for_prompt(prompt_for(HUMAN, MODEL))
+    assert first == craft_report.report_for_prompt(prompt_for(HUMAN, MODEL))
     assert first.startswith(
         "Built-in metrics reviewer (builtin/craft-metrics): this report compares measured "
         "statistics of the two screenplays, not a reading of the text.\n"
@@ -359,10 +369,12 @@ def test_report_is_deterministic_and_opens_with_the_required_line() -> None:
 def test_report_names_the_biggest_gap_first() -> None:
     human = {1: synthetic(), 2: synthetic()}
     model = {1: synthetic(speech_words=40), 2: synthetic(speech_words=40)}
-    ranked = cm.rank_gaps(cm.measure_side(human).overall, cm.measure_side(model).overall)
+    ranked = craft_report.rank_gaps(
+        craft_measuring.measure_side(human).overall, craft_measuring.measure_side(model).overall
+    )
     assert ranked[0].metric.key == "speech_words_mean"
     assert [g.score for g in ranked] == sorted((g.score for g in ranked), reverse=True)
-    report = cm.build_report(human, model)
+    report = craft_report.build_report(human, model)
     assert "\n1. Speeches run long: 40.0 words per speech against 5.0." in report
     assert report.index("Speeches run long") < report.index("Scenes run long")
 
@@ -370,20 +382,20 @@ def test_report_names_the_biggest_gap_first() -> None:
 def test_report_flags_the_episode_that_deviates() -> None:
     human = {n: synthetic() for n in (1, 2, 3)}
     model = {1: synthetic(), 2: synthetic(scenes=12), 3: synthetic()}
-    report = cm.build_report(human, model)
+    report = craft_report.build_report(human, model)
     notes = report.split("## Episode notes")[1]
     assert "- EP 02: the model's episode runs 312 words against 104." in notes
     assert "EP 01" not in notes and "EP 03" not in notes
-    calm = cm.build_report(human, human).split("## Episode notes")[1]
+    calm = craft_report.build_report(human, human).split("## Episode notes")[1]
     assert "No single episode departs strongly" in calm
 
 
 def _six_grams(text: str) -> set[tuple[str, ...]]:
-    return set(cm.ngrams(cm.normalized_words(text), 6))
+    return set(craft_report.ngrams(craft_report.normalized_words(text), 6))
 
 
 def test_report_quotes_no_six_word_sequence_of_the_human_text() -> None:
-    report = cm.build_report(HUMAN, MODEL)
+    report = craft_report.build_report(HUMAN, MODEL)
     human_grams = set().union(*(_six_grams(t) for t in HUMAN.values()))
     assert human_grams, "the sample must be long enough to test anything"
     assert not human_grams & _six_grams(report)
@@ -391,8 +403,10 @@ def test_report_quotes_no_six_word_sequence_of_the_human_text() -> None:
 
 
 def test_no_quote_guard_refuses_a_copied_line() -> None:
-    with pytest.raises(cm.CraftMetricsError, match="6-word"):
-        cm.assert_no_quote("Note: I counted the fence posts on the way in.", HUMAN.values())
+    with pytest.raises(craft_prompt.CraftMetricsError, match="6-word"):
+        craft_report.assert_no_quote(
+            "Note: I counted the fence posts on the way in.", HUMAN.values()
+        )
 
 
 # --------------------------------------------------------------------------- through litellm
@@ -413,12 +427,12 @@ def test_completion_through_litellm(litellm_module: Any) -> None:
 
     other = {"provider": "skilltrain-test-other", "custom_handler": CustomLLM()}
     litellm.custom_provider_map.append(other)
-    threads = [threading.Thread(target=cm.register) for _ in range(4)]
+    threads = [threading.Thread(target=craft_provider.register) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    cm.register()
+    craft_provider.register()
     providers = [e["provider"] for e in litellm.custom_provider_map]
     assert providers.count("builtin") == 1 and other in litellm.custom_provider_map
 
@@ -426,7 +440,7 @@ def test_completion_through_litellm(litellm_module: Any) -> None:
     response = litellm.completion(
         model="builtin/craft-metrics", messages=[{"role": "user", "content": prompt}]
     )
-    assert response.choices[0].message.content == cm.report_for_prompt(prompt)
+    assert response.choices[0].message.content == craft_report.report_for_prompt(prompt)
     assert response.choices[0].finish_reason == "stop"
     assert response.model == "builtin/craft-metrics"
     assert response.usage.prompt_tokens > len(prompt) // 8
@@ -440,8 +454,8 @@ def test_completion_through_litellm(litellm_module: Any) -> None:
 
 def test_missing_side_through_litellm_is_a_bad_request(litellm_module: Any) -> None:
     litellm = litellm_module
-    cm.register()
-    prompt = cm.format_episodes("human", HUMAN)
+    craft_provider.register()
+    prompt = craft_prompt.format_episodes("human", HUMAN)
     with pytest.raises(litellm.BadRequestError, match="no model episodes") as info:
         litellm.completion(
             model="builtin/craft-metrics", messages=[{"role": "user", "content": prompt}]
@@ -454,7 +468,7 @@ def test_missing_side_through_litellm_is_a_bad_request(litellm_module: Any) -> N
 @pytest.mark.filterwarnings("ignore:Item '.*' on TypedDict class .* `ReadOnly`:UserWarning")
 def test_streaming_through_litellm_yields_the_same_report(litellm_module: Any) -> None:
     litellm = litellm_module
-    cm.register()
+    craft_provider.register()
     prompt = prompt_for(HUMAN, MODEL)
     chunks = list(
         litellm.completion(
@@ -464,7 +478,7 @@ def test_streaming_through_litellm_yields_the_same_report(litellm_module: Any) -
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == cm.report_for_prompt(prompt)
+    assert text == craft_report.report_for_prompt(prompt)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
@@ -476,19 +490,19 @@ def test_register_refuses_a_foreign_builtin_provider(litellm_module: Any) -> Non
     litellm.custom_provider_map[:] = [{"provider": "builtin", "custom_handler": CustomLLM()}]
     try:
         with pytest.raises(RuntimeError, match="already taken"):
-            cm.register()
+            craft_provider.register()
     finally:
         litellm.custom_provider_map[:] = saved
 
 
 def test_importing_the_module_does_not_import_litellm() -> None:
-    code = "import sys, skilltrain.craft_metrics; sys.exit('litellm' in sys.modules)"
+    code = "import sys, skilltrain.craft_provider; sys.exit('litellm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 def test_model_without_scene_headings_or_cues_is_told_so_first() -> None:
     prose = {1: "Mara scrubs a pot. Jonah comes home.\n\nThey talk about the farm."}
-    report = cm.build_report({1: HUMAN_EP1}, prose)
+    report = craft_report.build_report({1: HUMAN_EP1}, prose)
     findings = report.split("## What to change, largest gap first\n\n")[1]
     assert findings.startswith("1. No scene headings found in the model's episodes, against 3")
     assert "\n2. No character cues found in the model's episodes, against 7 speeches" in findings

@@ -17,7 +17,6 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,10 @@ from watchdog.observers.api import BaseObserver
 from skilltrain import status
 from skilltrain.errors import ExitCode
 from tests.daemon_helpers import (
-    THIRD_PARTY_WARNINGS,
     WRITERS,
     ConcurrencyProbe,
-    InProcessDaemon,
     SetId,
+    Start,
     Workspace,
     build_workspace,
     mark_success,
@@ -47,18 +45,10 @@ from tests.daemon_helpers import (
     write_slowly,
     write_step_with,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-# See daemon_helpers.THIRD_PARTY_WARNINGS; litellm stays imported and frozen
-# for the whole module (the earlier tests pay its import).
-pytestmark = [*THIRD_PARTY_WARNINGS, pytest.mark.usefixtures("litellm_frozen")]
-
-Start = Callable[..., InProcessDaemon]
-
-
-@pytest.fixture
-def start(start_daemon: Start) -> Start:
-    return start_daemon
+pytestmark = DAEMON_TEST_MARKS
 
 
 def all_reported(ws: Workspace, sets: list[SetId]) -> bool:

@@ -26,7 +26,6 @@ from tests.daemon_helpers import (
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     release_llm_clients,
     remove_tree,
     requested_sets,
@@ -36,25 +35,13 @@ from tests.daemon_helpers import (
     stays,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-# Same two third-party warnings as in test_daemon.py (see there).
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 # The child imports litellm (~5 s, far more on a loaded machine) before its first call.
 FIRST_CALL_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
 
 
 @pytest.fixture(autouse=True)

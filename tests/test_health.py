@@ -23,17 +23,17 @@ import pytest
 
 from skilltrain import layout
 from tests.daemon_helpers import (
-    THIRD_PARTY_WARNINGS,
     InProcessDaemon,
     Workspace,
     build_workspace,
     stays,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import LLMServer
 from tests.test_notify import listener, received  # noqa: F401 - the fixture is used by name
 
-pytestmark = THIRD_PARTY_WARNINGS
+pytestmark = DAEMON_TEST_MARKS
 
 Start = Callable[..., InProcessDaemon]
 
@@ -42,7 +42,7 @@ Start = Callable[..., InProcessDaemon]
 
 
 def test_a_daemon_that_stops_feeding_the_watchdog_says_why_first(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start,
+    tmp_path: Path, llm_server: LLMServer, start: Start,
     listener: tuple[socket.socket, str], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     sock, path = listener
@@ -50,7 +50,7 @@ def test_a_daemon_that_stops_feeding_the_watchdog_says_why_first(
     monkeypatch.setenv("NOTIFY_SOCKET", path)
     monkeypatch.setenv("WATCHDOG_USEC", "200000")
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
-    d = start_daemon(ws)
+    d = start(ws)
     assert b"WATCHDOG=1" in wait_until(lambda: received(sock, 0.3), 5, message="a ping")
     assert d.daemon.healthy() and not ws.events("daemon.unhealthy")
 
@@ -76,13 +76,13 @@ def scan_spans(ws: Workspace) -> list[tuple[datetime, datetime]]:
 
 
 def test_only_one_full_scan_runs_at_a_time_and_none_is_lost(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 6, "beta": 6})
     for step in range(1, 41):
         for work in ("alpha", "beta"):
             ws.scripts("r1", 1, step, work).mkdir(parents=True)  # 160 waiting sets
-    d = start_daemon(ws, loop=False)
+    d = start(ws, loop=False)
     before = len(ws.events("scan.completed"))
     gate = threading.Barrier(3)
 
@@ -108,13 +108,13 @@ def test_only_one_full_scan_runs_at_a_time_and_none_is_lost(
 
 
 def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, llm_server: LLMServer, start: Start, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from skilltrain import service
 
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 6})
     slow, other = ws.sets_of_step("r1", 1, 1)
-    d = start_daemon(ws, loop=False)
+    d = start(ws, loop=False)
     keys = {s.id: layout.SetKey(s.run, s.epoch, s.step, s.work, s.first, s.last)
             for s in (slow, other)}
     hung, release = threading.Event(), threading.Event()
@@ -150,7 +150,7 @@ def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
 
 
 def test_an_optimizer_command_these_values_cannot_fill_fails_and_is_retried(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     # "{epoch[4]}" passes the start-up check (the name "epoch" has a 5th
     # letter) but not a real step's "01".
@@ -159,7 +159,7 @@ def test_an_optimizer_command_these_values_cannot_fill_fails_and_is_retried(
         extra='\n[optimizer]\ncommand = ["/bin/true", "{epoch[4]}"]\nmax_attempts = 2\n',
     )
     ws.write_step("r1", 1, 1, success=True)
-    d = start_daemon(ws)
+    d = start(ws)
     failed = wait_until(lambda: len(ws.events("optimizer.failed")) == 2 and
                         ws.events("optimizer.failed"), 10, message="two failed attempts")
     assert all("bad placeholder" in e["reason"] for e in failed)
@@ -171,12 +171,12 @@ def test_an_optimizer_command_these_values_cannot_fill_fails_and_is_retried(
 
 
 def test_a_run_toml_listing_odd_things_is_ignored_not_a_crash(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
     (s,) = ws.write_step("r1", 1, 1, success=True)
     (ws.runs / "r1" / "run.toml").write_text('works = [["alpha"], {name = "alpha"}, 3]\n')
-    d = start_daemon(ws)
+    d = start(ws)
     wait_until(lambda: ws.has_report(s), 20, message="the report (all works, as without run.toml)")
     (ignored,) = [e for e in ws.events("set.ignored") if e["path"].endswith("run.toml")]
     assert "work names" in ignored["reason"]
@@ -184,7 +184,7 @@ def test_a_run_toml_listing_odd_things_is_ignored_not_a_crash(
 
 
 def test_an_exception_escaping_an_optimizer_run_is_logged_in_forever_mode(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     # A NUL in an argument: Popen raises ValueError, which optimizer.run does not
     # expect. Nobody waits on the future in forever mode; the log must say it.
@@ -193,7 +193,7 @@ def test_an_exception_escaping_an_optimizer_run_is_logged_in_forever_mode(
         extra='\n[optimizer]\ncommand = ["/bin/true", "a\\u0000b"]\nmax_attempts = 1\n',
     )
     ws.write_step("r1", 1, 1, success=True)
-    start_daemon(ws)
+    start(ws)
     (crash,) = wait_until(lambda: ws.events("daemon.task_failed"), 10, message="the crash")
     assert crash["level"] == "error" and crash["error"] == "ValueError"
     assert "embedded null byte" in json.dumps(crash["exception"])

@@ -38,23 +38,14 @@ from tests.daemon_helpers import (
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     release_llm_clients,
     set_of_request,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-# Same two third-party warnings as in test_daemon.py (see there): litellm's
-# client cache dropping a duplicate client with an idle socket, and watchdog
-# re-adding a watch.
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 # The policy under test ([llm] and [loss] keys).
 TIMEOUT_S = 1.0
@@ -77,12 +68,6 @@ TOLERANCE_S = 0.05
 # client started its timeout clock; a busy machine widens that.
 HANG_TOLERANCE_S = 0.15
 RECOVERY_LIMIT_S = 30.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
 
 
 @pytest.fixture(autouse=True)

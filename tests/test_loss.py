@@ -978,17 +978,17 @@ def test_undefined_error_message_carries_no_human_text(tmp_path: Path, expressio
 
 
 def _prompt_and_model_block() -> tuple[str, str]:
-    from skilltrain import craft_metrics
+    from skilltrain import craft_prompt
 
     human = dataset.read_range(EXAMPLE / "human", 1, 3, label="human")
     model = dataset.read_range(EXAMPLE / "model_draft", 1, 3, label="model")
-    model_block = craft_metrics.format_episodes("Model", model)
+    model_block = craft_prompt.format_episodes("Model", model)
     prompt = PromptTemplates(PROMPTS).render(
         "loss",
         work="example",
         title="Low Water",
         episode_range="1-3",
-        human_scripts=craft_metrics.format_episodes("Human", human),
+        human_scripts=craft_prompt.format_episodes("Human", human),
         model_scripts=model_block,
     )
     return prompt, model_block

@@ -14,41 +14,26 @@ import json
 import re
 import socket
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from skilltrain import craft_distance, craft_metrics, tail
+from skilltrain import craft_distance, craft_measuring, craft_parsing, tail_format
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     mark_success,
-    release_llm_clients,
     run_cli,
     run_once_in_process,
     screenplay,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-    release_llm_clients()
+pytestmark = DAEMON_TEST_MARKS
 
 
 # ------------------------------------------------------------------- the number
@@ -63,7 +48,7 @@ HUMAN = _episodes("human", 3, 6, model=False)
 
 def test_distance_is_zero_at_a_match_and_grows_with_every_gap() -> None:
     assert craft_distance.of_episodes(HUMAN, HUMAN).value == 0.0
-    human = craft_metrics.measure([craft_metrics.parse_screenplay(t) for t in HUMAN.values()])
+    human = craft_measuring.measure([craft_parsing.parse_screenplay(t) for t in HUMAN.values()])
     assert human.scene_words_mean and human.speech_words_mean
     last = 0.0
     for factor in (1.1, 1.5, 2, 4, 16, 1000):
@@ -200,11 +185,11 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     print(f"progress --json: {took:.3f}s")
 
     # The step line of `skilltrain tail` shows both numbers.
-    line = tail.format_event(second)
+    line = tail_format.format_event(second)
     assert f"distance={second['craft_distance']:.4f}" in line
     assert f"change={second['craft_distance_change']:+.4f}" in line
-    assert "change=-" in tail.format_event(first)
-    assert "cached=0 cache_write=40 " in tail.format_event(completed[0])
+    assert "change=-" in tail_format.format_event(first)
+    assert "cached=0 cache_write=40 " in tail_format.format_event(completed[0])
 
 
 def test_metrics_endpoint_counts_what_the_daemon_does(

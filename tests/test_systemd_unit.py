@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import service_unit
+from skilltrain import unit_render
 from skilltrain.config import DaemonConfig
 from skilltrain.errors import ConfigError, ExitCode
-from skilltrain.service_unit import main, render_logrotate, render_unit
+from skilltrain.service_unit import main
+from skilltrain.unit_render import render_logrotate, render_unit
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK_SCRIPT = REPO / "systemd" / "check-unit.sh"
@@ -374,8 +375,8 @@ def test_logrotate_rules(tmp_path: Path) -> None:
 
 
 def test_template_is_found_from_the_package() -> None:
-    assert service_unit.UNIT_TEMPLATE.is_file()
-    assert service_unit.LOGROTATE_TEMPLATE.is_file()
+    assert unit_render.UNIT_TEMPLATE.is_file()
+    assert unit_render.LOGROTATE_TEMPLATE.is_file()
 
 
 def test_main_writes_logrotate_rules_for_the_configured_log(

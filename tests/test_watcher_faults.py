@@ -35,21 +35,15 @@ from tests.daemon_helpers import (
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     release_llm_clients,
     requested_sets,
     subprocess_env,
     wait_until,
 )
+from tests.daemon_marks import THIRD_PARTY_WARNINGS
 from tests.llm_server import LLMServer
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = THIRD_PARTY_WARNINGS
 
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
 GLOBAL_SYSCTL = Path("/proc/sys/fs/inotify/max_user_watches")
@@ -307,12 +301,6 @@ for step in range(1, steps + 1):
 """
 
 
-@pytest.fixture(scope="module")
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-
-
 def settled_scan_count(ws: Workspace, quiet_s: float = 0.8, timeout: float = 5.0) -> int:
     """The number of scans once none has completed for `quiet_s`."""
     deadline = time.monotonic() + timeout
@@ -327,7 +315,7 @@ def settled_scan_count(ws: Workspace, quiet_s: float = 0.8, timeout: float = 5.0
 
 @pytest.mark.slow
 def test_tree_created_faster_than_watches_are_added_is_fully_processed(
-    tmp_path: Path, llm_server: LLMServer, _litellm_imported: None
+    tmp_path: Path, llm_server: LLMServer, litellm_frozen: None
 ) -> None:
     """A writer process builds step/work/scripts/ folders and their files in a tight loop.
 

@@ -1,0 +1,170 @@
+"""Screenplay parsing: an episode in Fountain-like plain text, split into the
+elements the craft statistics count (scenes, speeches, action paragraphs,
+transitions), with each line's words counted once.
+
+Why not a Fountain library: screenplain 0.12 (the kept parser on PyPI) was
+measured against this parser on data/example (12 episodes) and on the public
+"Brick & Steel" Fountain sample. It parses the full spec (title page, forced
+elements, notes, dual dialogue), which this does not, but on the text our
+writers produce it is wrong where this is right, it is no faster (1.15 ms
+against 1.11 ms per example episode, parsing only, before any word counting),
+and it brings reportlab for its PDF export:
+- a first line such as "EPISODE 1: Low Water" is read as a title-page key;
+- a scene heading followed by action without a blank line (common in LLM
+  output) becomes a character cue with the action as its dialogue;
+- "FADE OUT." is action, not a transition;
+- cue extensions stay in the name ("DEV (CONT'D)" is another speaker than
+  "DEV").
+The statistics need only the four elements above, so the rules here are the
+few Fountain rules that decide them, tolerant of what an LLM writes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_WORD_RE = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
+_HEADING_RE = re.compile(
+    r"^(?:\d+[A-Z]?\s+)?(?:INT\.?/EXT\.?|EXT\.?/INT\.?|I/E\.?|INT\.|EXT\.|INT |EXT )"
+)
+_TRANSITION_RE = re.compile(r"^(?:[A-Z][A-Z ]*TO:|FADE IN:|FADE OUT\.?|FADE TO BLACK\.?)$")
+_CUE_EXTENSION_RE = re.compile(r"\s*\([^)]*\)\s*")
+_CUE_NAME_RE = re.compile(r"^[^\W\d_][^\W_]*(?:[ .'’-]+[^\W_]+)*$")
+
+
+def count_words(text: str) -> int:
+    return len(_WORD_RE.findall(text))
+
+
+def is_scene_heading(line: str) -> bool:
+    return bool(_HEADING_RE.match(line.strip()))
+
+
+def is_transition(line: str) -> bool:
+    return bool(_TRANSITION_RE.match(line.strip()))
+
+
+def cue_name(line: str) -> str | None:
+    """The character named by a cue line (extensions removed), or None if not a cue."""
+    s = line.strip()
+    if is_scene_heading(s) or is_transition(s):
+        return None
+    # The extension may be lower case, "(into phone)"; the name itself may not.
+    name = " ".join(_CUE_EXTENSION_RE.sub(" ", s).rstrip("^ ").split())
+    if not name or name != name.upper() or len(name) > 30 or len(name.split()) > 4:
+        return None
+    return name if _CUE_NAME_RE.match(name) else None
+
+
+@dataclass(frozen=True)
+class Speech:
+    """One character cue with its dialogue."""
+
+    character: str
+    words: int
+    parentheticals: int
+    has_question: bool
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """The measured elements of one episode."""
+
+    words: int
+    scene_words: tuple[int, ...]
+    speeches: tuple[Speech, ...]
+    action_blocks: tuple[int, ...]  # words per action paragraph
+    transitions: int
+    exclamations: int
+
+
+@dataclass(frozen=True)
+class _Lines:
+    """An episode's lines, stripped, with what each line is asked more than once:
+    its word count and whether it is a scene heading."""
+
+    text: tuple[str, ...]
+    words: tuple[int, ...]
+    heading: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, episode: str) -> _Lines:
+        text = tuple(line.strip() for line in episode.splitlines())
+        return cls(
+            text=text,
+            # A word never spans a line break, so the lines' counts add up to the text's.
+            words=tuple(count_words(s) if s else 0 for s in text),
+            heading=tuple(bool(s) and _HEADING_RE.match(s) is not None for s in text),
+        )
+
+    def speech_end(self, i: int) -> bool:
+        return i >= len(self.text) or not self.text[i] or self.heading[i]
+
+
+def _read_speech(lines: _Lines, start: int, name: str) -> tuple[Speech, int]:
+    """Read the speech whose cue is line `start`; return it and the next line index."""
+    words = parens = 0
+    question = in_paren = False
+    i = start + 1
+    while not lines.speech_end(i):
+        s = lines.text[i]
+        if in_paren or s.startswith("("):
+            parens += 0 if in_paren else 1
+            in_paren = not s.endswith(")")
+        else:
+            words += lines.words[i]
+            question = question or "?" in s
+        i += 1
+    return Speech(name, words, parens, question), i
+
+
+def _starts_speech(lines: _Lines, i: int, after_blank: bool) -> str | None:
+    # Fountain's rule: a cue follows a blank line and is followed by its dialogue.
+    if not after_blank or lines.speech_end(i + 1):
+        return None
+    return cue_name(lines.text[i])
+
+
+def parse_screenplay(text: str) -> Breakdown:
+    """Split an episode into scenes, speeches, action paragraphs and transitions."""
+    lines = _Lines.of(text)
+    scenes: list[int] = []
+    speeches: list[Speech] = []
+    blocks: list[int] = []
+    transitions = 0
+    after_blank, in_action = True, False
+    i = 0
+    while i < len(lines.text):
+        s = lines.text[i]
+        if not s:
+            after_blank, in_action = True, False
+        elif lines.heading[i]:
+            scenes.append(0)
+            after_blank, in_action = True, False
+        elif _TRANSITION_RE.match(s):
+            transitions += 1
+            after_blank, in_action = True, False
+        elif (name := _starts_speech(lines, i, after_blank)) is not None:
+            speech, end = _read_speech(lines, i, name)
+            speeches.append(speech)
+            if scenes:
+                scenes[-1] += sum(lines.words[i + 1 : end])
+            i, after_blank, in_action = end, False, False
+            continue
+        else:
+            if not in_action:
+                blocks.append(0)
+            blocks[-1] += lines.words[i]
+            if scenes:
+                scenes[-1] += lines.words[i]
+            after_blank, in_action = False, True
+        i += 1
+    return Breakdown(
+        words=sum(lines.words),
+        scene_words=tuple(scenes),
+        speeches=tuple(speeches),
+        action_blocks=tuple(blocks),
+        transitions=transitions,
+        exclamations=text.count("!"),
+    )

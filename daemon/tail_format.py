@@ -1,0 +1,229 @@
+"""`skilltrain tail`'s line for one event:
+
+  09:12:07   loss.completed      r7/e01/s02 alice r01-03   in=18211 out=1034 cached=0 $0.0123 41.2s
+
+time (local), level mark, event name, where (`run/eEE/sSS work rFF-LL`), then
+the fields that matter for that event; events without a formatter of their
+own show their other fields as key=value. Free text is cut and escaped: an
+optimizer's output must not drive the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+EVENT_WIDTH = 18  # len("optimizer.finished")
+WHERE_MIN_WIDTH = 24
+_MAX_TEXT = 200  # free text (messages, reasons, exceptions) per line
+
+# Fields shown in the location column or not at all.
+_PLACED = frozenset(
+    {
+        "timestamp",
+        "level",
+        "event",
+        "logger",
+        "run",
+        "epoch",
+        "step",
+        "work",
+        "range",
+        "job_id",
+        "exception",
+    }
+)
+_LEVEL_MARK = {"debug": "d", "info": " ", "warning": "W", "error": "E", "critical": "E"}
+
+Record = dict[str, Any]
+
+
+def _text(value: Any, limit: int = _MAX_TEXT) -> str:
+    text = str(value)
+    if not text.isprintable():
+        # Escape control characters: an optimizer's output must not drive the terminal.
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kv(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{key}={value:g}"
+    if isinstance(value, str) and value and not any(c.isspace() or c == '"' for c in value):
+        return f"{key}={_text(value)}"
+    if isinstance(value, str):
+        return f"{key}={json.dumps(_text(value), ensure_ascii=False)}"
+    if isinstance(value, list | dict):
+        return f"{key}={_text(json.dumps(value, ensure_ascii=False))}"
+    return f"{key}={value}"
+
+
+def _secs(ms: Any) -> str:
+    if not isinstance(ms, int | float):
+        return "?s"
+    if ms < 1000:
+        return f"{int(ms)}ms"
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def usd(value: Any) -> str:
+    return f"${value:.4f}" if isinstance(value, int | float) else "$?"
+
+
+def _clock(timestamp: Any) -> str:
+    # The log is UTC; the operator's terminal (like journalctl) shows local time.
+    try:
+        return datetime.fromisoformat(str(timestamp)).astimezone().strftime("%H:%M:%S")
+    except ValueError:
+        return "??:??:??"
+
+
+def _two(value: Any) -> str:
+    return f"{value:02d}" if isinstance(value, int) else str(value)
+
+
+def where(rec: Record) -> str:
+    """`run/eEE/sSS work rFF-LL`, whichever parts the record has."""
+    parts = []
+    if rec.get("run") is not None:
+        path = str(rec["run"])
+        if rec.get("epoch") is not None:
+            path += f"/e{_two(rec['epoch'])}"
+            if rec.get("step") is not None:
+                path += f"/s{_two(rec['step'])}"
+        parts.append(path)
+    if rec.get("work") is not None:
+        parts.append(str(rec["work"]))
+    if rec.get("range") is not None:
+        parts.append(f"r{rec['range']}")
+    return " ".join(parts)
+
+
+def _rest(rec: Record, *skip: str) -> list[str]:
+    return [_kv(k, v) for k, v in rec.items() if k not in _PLACED and k not in skip]
+
+
+def _tokens(rec: Record) -> str:
+    return " ".join(
+        f"{k}={rec[f'tokens_{k}']}"
+        for k in ("in", "out", "cached", "cache_write")
+        # Cache writes happen on Anthropic-style caching only: shown when there are some.
+        if rec.get(f"tokens_{k}") is not None and (k != "cache_write" or rec[f"tokens_{k}"])
+    )
+
+
+def _f_loss_completed(rec: Record) -> list[str]:
+    parts = [_tokens(rec), usd(rec.get("cost_usd")), _secs(rec.get("duration_ms"))]
+    if rec.get("leaks_redacted"):
+        parts.append(f"leaks_redacted={rec['leaks_redacted']}")
+    if isinstance(rec.get("attempts"), int) and rec["attempts"] > 1:
+        parts.append(f"attempts={rec['attempts']}")
+    return parts
+
+
+def _f_loss_failed(rec: Record) -> list[str]:
+    retry = rec.get("next_retry_s")
+    then = "no retry" if retry is None else f"retry in {_secs(float(retry) * 1000)}"
+    return [_kv("reason", rec.get("reason")), f"attempts={rec.get('attempts', '?')}", then]
+
+
+def _f_loss_started(rec: Record) -> list[str]:
+    return [f"prompt={rec.get('prompt_chars', '?')}ch/{rec.get('prompt_tokens', '?')}tok"]
+
+
+def _f_loss_retry(rec: Record) -> list[str]:
+    wait = rec.get("wait_s")
+    return [
+        f"attempt={rec.get('attempt', '?')}",
+        f"wait={_secs(float(wait) * 1000) if isinstance(wait, int | float) else '?'}",
+        _kv("error", rec.get("error", "")),
+    ]
+
+
+def _f_step_reported(rec: Record) -> list[str]:
+    distance, change = rec.get("craft_distance"), rec.get("craft_distance_change")
+    parts = [f"sets={rec.get('sets', '?')}"]
+    if isinstance(distance, int | float):
+        parts.append(f"distance={distance:.4f}")
+        parts.append(f"change={change:+.4f}" if isinstance(change, int | float) else "change=-")
+    return [*parts, _kv("reports", rec.get("reports_dir", "?"))]
+
+
+def _f_optimizer_started(rec: Record) -> list[str]:
+    argv = rec.get("argv")
+    return ["$ " + (shlex.join(map(str, argv)) if isinstance(argv, list) else str(argv))]
+
+
+def _f_optimizer_output(rec: Record) -> list[str]:
+    return [f"{rec.get('stream', '?')}| {_text(rec.get('line', ''))}"]
+
+
+def _f_optimizer_finished(rec: Record) -> list[str]:
+    return [f"exit={rec.get('exit_code', '?')}", _secs(rec.get("duration_ms"))]
+
+
+def _f_scan_completed(rec: Record) -> list[str]:
+    return [*_rest(rec, "duration_ms"), _secs(rec.get("duration_ms"))]
+
+
+def _f_budget_reached(rec: Record) -> list[str]:
+    return [f"spent {usd(rec.get('spent_usd'))} of {usd(rec.get('budget_usd'))}"]
+
+
+def _f_cost_total(rec: Record) -> list[str]:
+    return [_tokens(rec), usd(rec.get("cost_usd"))]
+
+
+def _f_audit_leak(rec: Record) -> list[str]:
+    episode = rec.get("episode")
+    return [
+        f"{rec.get('file', '?')}:{rec.get('line', '?')}",
+        f"ep{_two(episode)}",
+        f"n_words={rec.get('n_words', '?')}",
+    ]
+
+
+_FIELDS: dict[str, Callable[[Record], list[str]]] = {
+    "loss.completed": _f_loss_completed,
+    "loss.failed": _f_loss_failed,
+    "loss.started": _f_loss_started,
+    "loss.retry": _f_loss_retry,
+    "step.reported": _f_step_reported,
+    "optimizer.started": _f_optimizer_started,
+    "optimizer.output": _f_optimizer_output,
+    "optimizer.finished": _f_optimizer_finished,
+    "scan.completed": _f_scan_completed,
+    "budget.reached": _f_budget_reached,
+    "cost.total": _f_cost_total,
+    "audit.leak": _f_audit_leak,
+}
+
+
+def _exception(rec: Record) -> str:
+    stacks = rec.get("exception")
+    if isinstance(stacks, list) and stacks and isinstance(stacks[0], dict):
+        top = stacks[0]
+        return f"[{top.get('exc_type', '?')}: {_text(top.get('exc_value', ''))}]"
+    if isinstance(stacks, str):  # a text traceback: its last line names the error
+        return f"[{_text(stacks.strip().splitlines()[-1])}]" if stacks.strip() else ""
+    return ""
+
+
+def format_event(rec: Record, where_width: int = WHERE_MIN_WIDTH) -> str:
+    """One readable line: `HH:MM:SS L event  run/eEE/sSS work rFF-LL  fields`."""
+    name = str(rec.get("event", ""))
+    fields = _FIELDS.get(name, _rest)(rec)
+    loc = where(rec)
+    fields = [f for f in (*fields, _exception(rec)) if f]
+    mark = _LEVEL_MARK.get(str(rec.get("level", "")).lower(), "?")
+    line = f"{_clock(rec.get('timestamp'))} {mark} {_text(name):<{EVENT_WIDTH}}  "
+    line += f"{loc:<{where_width}}  {' '.join(fields)}"
+    return line.rstrip()

@@ -1,0 +1,104 @@
+"""`skilltrain tail`'s tally: per (run, epoch, step), the last loss state of
+each set; per run, tokens and cost. Printed as `==` lines:
+
+  == r7/e01/s02  done 1  running 0  queued 0  failed 1  | r7  in=18211 out=1034 cached=0 $0.0123
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from skilltrain.tail_format import Record, usd
+
+StepKey = tuple[str, int, int]
+
+STATE_OF = {
+    "loss.queued": "queued",
+    "loss.started": "running",
+    "loss.retry": "running",
+    "loss.completed": "done",
+    "loss.failed": "failed",
+    "loss.refused": "refused",
+}
+_STATES = ("done", "running", "queued", "failed", "refused")
+
+
+@dataclass
+class RunCost:
+    tokens_in: int = 0
+    tokens_out: int = 0
+    tokens_cached: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass
+class Tally:
+    """Per (run, epoch, step): each set's last loss state; per run: tokens and cost."""
+
+    sets: dict[StepKey, dict[tuple[str, str], str]] = field(default_factory=dict)
+    costs: dict[str, RunCost] = field(default_factory=dict)
+
+    def update(self, rec: Record) -> None:
+        name, run = rec.get("event"), rec.get("run")
+        if not isinstance(run, str):
+            return
+        if name == "cost.total":
+            self.costs[run] = RunCost(
+                _int(rec.get("tokens_in")),
+                _int(rec.get("tokens_out")),
+                _int(rec.get("tokens_cached")),
+                _float(rec.get("cost_usd")),
+            )
+            return
+        state = STATE_OF.get(str(name))
+        key = step_key(rec)
+        if state is None or key is None:
+            return
+        self.sets.setdefault(key, {})[(str(rec.get("work")), str(rec.get("range")))] = state
+        if name == "loss.completed":
+            cost = self.costs.setdefault(run, RunCost())
+            cost.tokens_in += _int(rec.get("tokens_in"))
+            cost.tokens_out += _int(rec.get("tokens_out"))
+            cost.tokens_cached += _int(rec.get("tokens_cached"))
+            cost.cost_usd += _float(rec.get("cost_usd"))
+
+    def counts(self, key: StepKey) -> dict[str, int]:
+        counts = dict.fromkeys(_STATES, 0)
+        for state in self.sets.get(key, {}).values():
+            counts[state] += 1
+        return counts
+
+    def step_line(self, key: StepKey) -> str:
+        run, epoch, step = key
+        counts = self.counts(key)
+        shown = [f"{s} {counts[s]}" for s in _STATES if s != "refused" or counts[s]]
+        line = f"== {run}/e{epoch:02d}/s{step:02d}  {'  '.join(shown)}"
+        return f"{line}  | {self.run_line(run)}" if run in self.costs else line
+
+    def run_line(self, run: str) -> str:
+        cost = self.costs.get(run, RunCost())
+        return (
+            f"{run}  in={cost.tokens_in} out={cost.tokens_out} "
+            f"cached={cost.tokens_cached} {usd(cost.cost_usd)}"
+        )
+
+    def summary(self, run: str | None = None) -> list[str]:
+        lines = [self.step_line(k) for k in sorted(self.sets) if run is None or k[0] == run]
+        lines += [f"== {self.run_line(r)}" for r in sorted(self.costs) if run is None or r == run]
+        return lines
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _float(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def step_key(rec: Record) -> StepKey | None:
+    run, epoch, step = rec.get("run"), rec.get("epoch"), rec.get("step")
+    if isinstance(run, str) and isinstance(epoch, int) and isinstance(step, int):
+        return (run, epoch, step)
+    return None
