@@ -54,6 +54,8 @@ class StepRecord:
     optimizer_exit_code: int | None = None
     optimizer_done: bool = False
     optimizer_next_at: float | None = None
+    generation: int = 0  # times the step was reopened: a report replaced after it was reported
+    reopened_reason: str | None = None
 
 
 @dataclass
@@ -78,33 +80,69 @@ class StateStore:
         self.daemon_pid: int | None = None
         self.heartbeat: float | None = None
 
-    def load(self) -> None:
-        """Read the last saved state; a missing or unreadable file means start afresh."""
+    def load(self, *, keep_bad_copy: bool = False) -> str | None:
+        """Read the last saved state; a missing file means start afresh.
+
+        A file that is not a state file (bad JSON, the wrong shape) is not
+        fatal either: the state is a cache of the filesystem and is rebuilt
+        from it. Returns why the file was not used, or None. `keep_bad_copy`
+        (the daemon; `status` writes nothing) keeps the bad file beside it.
+        """
         try:
-            raw = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return
-        if not isinstance(raw, dict) or raw.get("version") != STATE_VERSION:
-            return
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            return f"cannot read it ({getattr(e, 'strerror', None) or type(e).__name__})"
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError("not a JSON object")
+            if raw.get("version") != STATE_VERSION:
+                return None  # another version's state: start afresh, quietly
+            self._load_raw(raw)
+        except (ValueError, TypeError, AttributeError) as e:
+            with self.lock:
+                self.sets, self.steps, self.spend = {}, {}, {}
+            kept = self._keep_copy(text) if keep_bad_copy else None
+            reason = f"not a state file ({type(e).__name__}: {_short(e)}); rebuilt from runs/"
+            return f"{reason}; the bad file is kept as {kept}" if kept else reason
+        return None
+
+    def _load_raw(self, raw: dict[str, Any]) -> None:
+        sections = {name: raw.get(name, {}) for name in ("sets", "steps", "spend")}
+        for name, value in sections.items():
+            if not isinstance(value, dict):
+                raise TypeError(f"{name!r} is a {type(value).__name__}, not an object")
         with self.lock:
-            for set_id, rec in raw.get("sets", {}).items():
+            for set_id, rec in sections["sets"].items():
                 try:
+                    rec = dict(rec)
                     rec["state"] = SetState(rec["state"])
                     self.sets[set_id] = SetRecord(**rec)
                 except (KeyError, TypeError, ValueError):
                     continue
-            for step_id, rec in raw.get("steps", {}).items():
+            for step_id, rec in sections["steps"].items():
                 try:
                     self.steps[step_id] = StepRecord(**rec)
                 except TypeError:
                     continue
-            for run, rec in raw.get("spend", {}).items():
+            for run, rec in sections["spend"].items():
                 try:
                     self.spend[run] = RunSpend(**rec)
                 except TypeError:
                     continue
-            self.daemon_pid = raw.get("daemon_pid")
-            self.heartbeat = raw.get("heartbeat")
+            pid, heartbeat = raw.get("daemon_pid"), raw.get("heartbeat")
+            self.daemon_pid = pid if isinstance(pid, int) else None
+            self.heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else None
+
+    def _keep_copy(self, text: str) -> str | None:
+        copy = self.path.with_name(f"{STATE_FILE}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            atomic.write_text(copy, text)
+        except OSError:
+            return None
+        return str(copy)
 
     def get(self, set_id: str) -> SetRecord | None:
         with self.lock:
@@ -161,6 +199,10 @@ class StateStore:
             self._dirty = False
         atomic.write_text(self.path, json.dumps(payload, separators=(",", ":")) + "\n")
         return True
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:120]
 
 
 def _record_json(rec: SetRecord) -> dict[str, Any]:

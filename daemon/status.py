@@ -106,6 +106,12 @@ def render(data: dict[str, Any], out: TextIO) -> None:
 
 def main(config_path: Path | None, as_json: bool, out: TextIO = sys.stdout) -> int:
     cfg = config.load(config_path)
+    if notice := config.defaults_notice(cfg):
+        print(f"skilltrain: {notice}", file=sys.stderr)
+    if not cfg.paths.runs.is_dir():
+        print(f"skilltrain: {cfg.paths.runs} does not exist: no daemon has run with this "
+              "configuration", file=sys.stderr)
+        return 1
     data = collect(cfg.paths.runs)
     if as_json:
         json.dump(data, out, indent=2)

@@ -355,7 +355,9 @@ def test_rewritten_episode_is_redone_exactly_once(
     assert set_events(ws, "set.stale", second) == []
     assert ws.report(second).stat().st_mtime_ns == untouched_mtime
     assert_reports_match_final_content(ws, sets)
-    assert len(ws.events("step.reported")) == 1  # reported once, not again
+    # The optimizer may have learnt from the replaced report: reported again.
+    first_report, again = ws.events("step.reported")
+    assert "again" not in first_report and again["again"] is True
 
 
 def test_copy_that_keeps_an_old_mtime_is_still_redone_once(

@@ -210,10 +210,12 @@ def test_second_instance_on_the_same_runs_exits_3_with_one_clear_line(
             human = [ln for ln in lines if not ln.startswith("{")]
             print(f"second instance {args}: exit {code}, stderr {lines}")
             assert code == 3
-            assert human == [
-                f"skilltrain: another skilltrain daemon (pid {os.getpid()}) is already "
-                f"running on {ws.runs}"
-            ]
+            # stderr is not a terminal (a journal): the one line is a JSON event.
+            assert human == []
+            (failed,) = [json.loads(ln) for ln in lines if '"daemon.failed"' in ln]
+            assert failed["reason"] == (
+                f"another skilltrain daemon (pid {os.getpid()}) is already running on {ws.runs}"
+            )
         # The first daemon is untouched and still working.
         assert (ws.runs / ".skilltrain" / "daemon.lock").read_text() == lock_text
         assert not first.daemon.stop_event.is_set()
