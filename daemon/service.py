@@ -877,6 +877,8 @@ class Daemon:
             if self._once_rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
                 break
             self._once_rescan_at = 0.0
+            # A settle window is never longer than settle_seconds from now.
+            wait_s = min(wait_s, self.cfg.loss.settle_seconds + CLOCK_SKEW_TOLERANCE_S)
             if self.stop_event.wait(max(0.0, wait_s) + 0.05):
                 break
             self.scan()

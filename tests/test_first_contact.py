@@ -23,6 +23,7 @@ import pytest
 
 from skilltrain.errors import ConfigError, ExitCode
 from tests.daemon_helpers import (
+    DAEMON_TEST_MARKS,
     SKILLTRAIN,
     InProcessDaemon,
     SetId,
@@ -36,13 +37,7 @@ from tests.daemon_helpers import (
 )
 from tests.llm_server import LLMServer, Reply
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
 S = SetId("r1", 1, 1, "alpha", 1, 3)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import (
+    DAEMON_TEST_MARKS,
     InProcessDaemon,
     SetId,
     Workspace,
@@ -24,12 +25,7 @@ from tests.daemon_helpers import (
 )
 from tests.llm_server import LLMServer
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
 S = SetId("r1", 1, 1, "alpha", 1, 3)

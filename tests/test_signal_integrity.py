@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import (
+    DAEMON_TEST_MARKS,
     REPO,
     InProcessDaemon,
     SetId,
@@ -34,13 +35,7 @@ from tests.daemon_helpers import (
 )
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 RECORDER = REPO / "tests" / "optimizer_recorder.py"
 S = SetId("r1", 1, 1, "alpha", 1, 3)

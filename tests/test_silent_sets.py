@@ -24,6 +24,7 @@ import pytest
 
 from skilltrain import status
 from tests.daemon_helpers import (
+    DAEMON_TEST_MARKS,
     InProcessDaemon,
     SetId,
     Workspace,
@@ -36,13 +37,7 @@ from tests.daemon_helpers import (
 )
 from tests.llm_server import LLMServer
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
+pytestmark = DAEMON_TEST_MARKS
 
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
 R = "r1"  # every defect lives in r1/epoch_01/step_01: that step may never be reported
