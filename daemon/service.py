@@ -106,6 +106,7 @@ class Daemon:
         self._recheck: set[str] = set()  # changed while active: evaluate again afterwards
         self._last_sigs: dict[str, Any] = {}  # set id -> (sigs, monotonic time they changed)
         self._ignored: set[str] = set()
+        self._noticed_this_scan: set[str] = set()
         self._budget_reported: set[str] = set()
         self._optimizer_futures: list[Future[None]] = []
         self._optimizer_pending: set[str] = set()  # step ids with an optimizer run claimed
@@ -228,6 +229,7 @@ class Daemon:
         """Level-triggered reconciliation: look at every set under runs/."""
         t0 = time.monotonic()
         self._template_hash = None  # re-read the template once per scan
+        self._noticed_this_scan = set()
         steps = dict(self._discover_steps())
         for keys in steps.values():
             for key in keys:
@@ -243,6 +245,7 @@ class Daemon:
                     self.state.mark_dirty()
         for step in sorted(steps):
             self.check_step(step, steps[step])
+        self._forget_fixed_paths()
         counts = self.state.counts()
         by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
         self.emit("scan.completed", sets=len(seen),
@@ -300,6 +303,12 @@ class Daemon:
                 self._ignore(run_toml, f"lists unknown work {name!r}")
         return [self.works[n] for n in names if n in self.works]
 
+    def _forget_fixed_paths(self) -> None:
+        """A path under runs/ not noticed again by a whole scan is fixed (or gone)."""
+        runs = f"{self.runs}/"
+        noticed = self._noticed_this_scan
+        self.state.keep_notices(lambda path: path in noticed or not path.startswith(runs))
+
     def _report_linked_folders(self, parent: Path) -> None:
         """Run, epoch and step folders that are symlinks are not followed (work
         and scripts/ folders: see observe); each is named once, with why."""
@@ -326,6 +335,8 @@ class Daemon:
 
     def _ignore(self, path: Path, reason: str, event: str = "set.ignored") -> bool:
         """Log a path we cannot use once, not at every scan. True when logged now."""
+        self.state.notice(str(path), event, reason)  # for status, while it lasts
+        self._noticed_this_scan.add(str(path))
         if f"{path}: {reason}" in self._ignored:
             return False
         self._ignored.add(f"{path}: {reason}")

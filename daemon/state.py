@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ class StateStore:
         self.sets: dict[str, SetRecord] = {}
         self.steps: dict[str, StepRecord] = {}
         self.spend: dict[str, RunSpend] = {}
+        # Paths under runs/ (and human folders) the daemon cannot use, with why:
+        # what `skilltrain status` shows besides the sets (epoch_1, a linked run).
+        self.notices: dict[str, dict[str, str]] = {}
         self.lock = threading.RLock()
         self._dirty = False
         self.daemon_pid: int | None = None
@@ -132,6 +136,9 @@ class StateStore:
                     self.spend[run] = RunSpend(**rec)
                 except TypeError:
                     continue
+            notices = raw.get("notices", {})
+            if isinstance(notices, dict):
+                self.notices = {str(p): n for p, n in notices.items() if isinstance(n, dict)}
             pid, heartbeat = raw.get("daemon_pid"), raw.get("heartbeat")
             self.daemon_pid = pid if isinstance(pid, int) else None
             self.heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else None
@@ -177,6 +184,21 @@ class StateStore:
             self._dirty = True
             return spend
 
+    def notice(self, path: str, event: str, reason: str) -> None:
+        with self.lock:
+            entry = {"event": event, "reason": reason}
+            if self.notices.get(path) != entry:
+                self.notices[path] = entry
+                self._dirty = True
+
+    def keep_notices(self, keep: Callable[[str], bool]) -> None:
+        """Drop the notices of paths that no longer have a problem."""
+        with self.lock:
+            kept = {path: n for path, n in self.notices.items() if keep(path)}
+            if kept != self.notices:
+                self.notices = kept
+                self._dirty = True
+
     def counts(self) -> Counter[str]:
         with self.lock:
             return Counter(rec.state.value for rec in self.sets.values())
@@ -195,6 +217,7 @@ class StateStore:
                 "sets": {k: _record_json(v) for k, v in sorted(self.sets.items())},
                 "steps": {k: asdict(v) for k, v in sorted(self.steps.items())},
                 "spend": {k: asdict(v) for k, v in sorted(self.spend.items())},
+                "notices": dict(sorted(self.notices.items())),
             }
             self._dirty = False
         atomic.write_text(self.path, json.dumps(payload, separators=(",", ":")) + "\n")

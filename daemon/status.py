@@ -50,6 +50,7 @@ def collect(runs: Path) -> dict[str, Any]:
         "steps": step_rows,
         "sets": sets,
         "spend": {run: vars(spend) for run, spend in sorted(store.spend.items())},
+        "notices": [{"path": path, **notice} for path, notice in sorted(store.notices.items())],
     }
 
 
@@ -77,6 +78,7 @@ def render(data: dict[str, Any], out: TextIO) -> None:
     if not data["steps"]:
         console.print("no sets known yet: start `skilltrain daemon` "
                       "(or `skilltrain daemon --once`)")
+        _render_notices(data["notices"], console)
         return
     steps = Table(title="steps", title_justify="left")
     for column in ["step", "sets", *STATE_ORDER, "reported", "optimizer"]:
@@ -94,6 +96,7 @@ def render(data: dict[str, Any], out: TextIO) -> None:
         for s in pending:
             sets.add_row(s["set"], s["state"], str(s["attempts"] or ""), s["reason"] or "")
         console.print(sets)
+    _render_notices(data["notices"], console)
     if data["spend"]:
         spend = Table(title="spend", title_justify="left")
         for column in ("run", "reports", "tokens in", "tokens out", "cached", "cost USD"):
@@ -102,6 +105,22 @@ def render(data: dict[str, Any], out: TextIO) -> None:
             spend.add_row(run, str(s["reports"]), f"{s['tokens_in']:,}", f"{s['tokens_out']:,}",
                           f"{s['tokens_cached']:,}", f"{s['cost_usd']:.4f}")
         console.print(spend)
+
+
+def _render_notices(notices: list[dict[str, str]], console: Any) -> None:
+    """A set's own problem is in its row; these are the folders that hold no
+    set the daemon can see (epoch_1, a linked run folder, a gap in human/)."""
+    from rich.table import Table
+
+    paths = [n for n in notices if not n["path"].endswith("/scripts")]
+    if not paths:
+        return
+    table = Table(title="paths not used", title_justify="left")
+    for column in ("path", "event", "reason"):
+        table.add_column(column)
+    for n in paths:
+        table.add_row(n["path"], n["event"], n["reason"])
+    console.print(table)
 
 
 def main(config_path: Path | None, as_json: bool, out: TextIO = sys.stdout) -> int:

@@ -11,6 +11,7 @@ step from being reported (so the optimizer never sees it).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -224,6 +225,16 @@ def test_run_folder_symlinked_out_of_runs_is_named(tree: Tree) -> None:
     assert line["path"] == str(tree.ws.runs / "linkedrun")
     assert "symlink out of runs/" in line["reason"]
     assert not any("linked-run" in body for body in tree.requests)
+
+
+def test_folders_that_hold_no_visible_set_show_in_status(tree: Tree) -> None:
+    notices = {n["path"]: n for n in tree.status["notices"]}
+    assert "expected epoch_01" in notices[str(tree.ws.runs / R / "epoch_1")]["reason"]
+    assert notices[str(tree.ws.runs / "linkedrun")]["event"] == "set.unusable"
+    out = io.StringIO()
+    status.render(tree.status, out)
+    text = " ".join(out.getvalue().split())
+    assert "paths not used" in text and "linkedrun" in text and "epoch_1" in text
 
 
 def test_future_mtimes_are_capped_and_said_once(tree: Tree) -> None:
