@@ -279,10 +279,13 @@ class Daemon:
     def _sets_of_step(self, step: layout.StepKey,
                       works: list[dataset.Work] | None = None) -> Iterator[layout.SetKey]:
         step_dir = step.step_dir(self.runs)
+        works = works if works is not None else self._expected_works(step.run)
         for name in _subdir_names(step_dir):
             if name not in self.works:
                 self._ignore(step_dir / name, "unknown work (no data/<work>/human/)")
-        for work in works if works is not None else self._expected_works(step.run):
+            elif all(work.name != name for work in works):
+                self._ignore(step_dir / name, f"work not listed in {step.run}/run.toml")
+        for work in works:
             for first, last in work.ranges(self.cfg.loss.episodes_per_report):
                 yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
 

@@ -91,6 +91,7 @@ def build_tree(ws: Workspace) -> None:
     human = {w: ws.data / w / "human" for w in WORKS}
     write_model(ws, "good", [1, 2, 3], run=GOOD_RUN)
     (ws.runs / GOOD_RUN / "run.toml").write_text('works = ["good"]\n')
+    write_model(ws, "zero", [1, 2, 3], run=GOOD_RUN)  # a work g1's run.toml does not list
     for work in WORKS:
         if work not in ("scriptsfile", "keylink", "worklink"):
             write_model(ws, work, [1, 3])
@@ -235,6 +236,11 @@ def test_folders_that_hold_no_visible_set_show_in_status(tree: Tree) -> None:
     status.render(tree.status, out)
     text = " ".join(out.getvalue().split())
     assert "paths not used" in text and "linkedrun" in text and "epoch_1" in text
+
+
+def test_a_work_folder_the_run_does_not_list_is_named(tree: Tree) -> None:
+    (line,) = events_about(tree, "set.ignored", f"{GOOD_RUN}/epoch_01/step_01/zero")
+    assert "not listed in g1/run.toml" in line["reason"]
 
 
 def test_future_mtimes_are_capped_and_said_once(tree: Tree) -> None:
