@@ -652,7 +652,8 @@ class Daemon:
         report this one replaces, so the step is reported again and re-optimized."""
         step = key.step_key
         with self.state.lock:
-            rec = self.state.steps.get(step.id)
+            # After a lost state.json the step's marker file still knows.
+            rec = self.state.steps.get(step.id) or self._step_from_marker(step)
             if rec is None or rec.reported_at is None:
                 return
             rec.reported_at = None

@@ -122,8 +122,9 @@ def test_an_episode_changed_during_the_call_discards_the_report(
     assert len(ws.events("step.reported")) == 1 and optimizer_runs(ws) == 1
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "after-lost-state"])
 def test_a_report_replaced_after_the_step_was_reported_reports_it_again(
-    tmp_path: Path, llm_server: LLMServer
+    tmp_path: Path, llm_server: LLMServer, restart: bool
 ) -> None:
     # _SUCCESS touched while the writer was still writing ep03: the first
     # report describes half an episode, and the optimizer learnt from it.
@@ -133,12 +134,20 @@ def test_a_report_replaced_after_the_step_was_reported_reports_it_again(
     ws.write_step("r1", 1, 1)
     (scripts / "ep03.txt").write_text(full[: len(full) // 2], encoding="utf-8")
     mark_success(scripts)
-    with InProcessDaemon(ws):
+    d = InProcessDaemon(ws).start()
+    try:
         wait_until(lambda: optimizer_runs(ws) == 1, 15, message="first optimizer run")
+        if restart:  # the writer finishes while the daemon is down and state.json is lost
+            d.stop()
+            ws.state_file.unlink()
         with open(scripts / "ep03.txt", "a", encoding="utf-8") as f:
             f.write(full[len(full) // 2 :])
+        if restart:  # the step's marker beside the reports remembers it was reported
+            d = InProcessDaemon(ws).start()
         wait_until(lambda: optimizer_runs(ws) == 2, 15, message="optimizer run again")
         assert stays(lambda: optimizer_runs(ws) == 2, 0.5)
+    finally:
+        d.stop()
     first, again = ws.events("step.reported")
     assert "again" not in first
     assert again["again"] is True and S.id in again["reason"]
