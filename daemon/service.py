@@ -138,6 +138,7 @@ class Daemon:
     def start(self) -> None:
         """Check config, lock, clean up, first scan, start intake. Raises on bad config."""
         preflight(self.cfg)  # before anything is created
+        _quiet_inotify_stop_race()  # every stop of the observer: at SIGTERM, on fallback
         runs_existed = self.runs_existed if self.runs_existed is not None else self.runs.is_dir()
         self.runs.mkdir(parents=True, exist_ok=True)
         self._run_lock.acquire()
@@ -920,7 +921,6 @@ class Daemon:
         #    to retry give up now (they are found again at the next start)
         self.stop_event.set()
         self.abort_event.set()
-        _quiet_inotify_stop_race()
         self.watcher.stop()
         with contextlib.suppress(Exception):
             self.scheduler.shutdown(wait=False)
@@ -1010,7 +1010,8 @@ def main(config_path: Path | None, once: bool = False) -> int:
 class _InotifyStopRace(logging.Filter):
     """watchdog logs an *error* when its inotify thread reads one last event
     while being stopped ("queue_events() called when the thread is inactive"):
-    a benign race of every stop, which must not look like a fault at SIGTERM."""
+    a benign race of every stop (SIGTERM, runs/ replaced, the fallback to
+    polling), which must not look like a fault. Nothing else logs it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "called when the thread is inactive" not in record.getMessage()
