@@ -159,7 +159,7 @@ class Daemon:
         problem = self.state.load(keep_bad_copy=True)
         if problem:
             self.emit("state.unreadable", level="error", path=str(self.state.path),
-                      reason=problem)
+                      reason=f"{problem}; rebuilt from runs/")
         self.scheduler.start()
         # The first scan runs alone: watchdog's initial walk (one watch per
         # folder) and litellm's import would triple its time on a large tree.

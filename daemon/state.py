@@ -109,7 +109,7 @@ class StateStore:
             with self.lock:
                 self.sets, self.steps, self.spend = {}, {}, {}
             kept = self._keep_copy(text) if keep_bad_copy else None
-            reason = f"not a state file ({type(e).__name__}: {_short(e)}); rebuilt from runs/"
+            reason = f"not a state file ({type(e).__name__}: {_short(e)})"
             return f"{reason}; the bad file is kept as {kept}" if kept else reason
         return None
 

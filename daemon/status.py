@@ -23,7 +23,7 @@ STATE_ORDER = [s.value for s in SetState]
 def collect(runs: Path) -> dict[str, Any]:
     """Everything status shows, as plain data (this is also the --json output)."""
     store = StateStore(runs)
-    store.load()
+    unreadable = store.load()  # status writes nothing: the daemon keeps the bad copy
     pid = holder_pid(runs / layout.STATE_DIR)
     steps: dict[str, Counter[str]] = defaultdict(Counter)
     sets = []
@@ -45,7 +45,7 @@ def collect(runs: Path) -> dict[str, Any]:
     return {
         "runs_dir": str(runs),
         "daemon": {"running": pid is not None, "pid": pid,
-                   "state_written_at": store.heartbeat},
+                   "state_written_at": store.heartbeat, "state_unreadable": unreadable},
         "totals": dict(Counter(rec.state.value for rec in store.sets.values())),
         "steps": step_rows,
         "sets": sets,
@@ -75,6 +75,8 @@ def render(data: dict[str, Any], out: TextIO) -> None:
     age = f", state written {time.time() - written:.0f}s ago" if written else ""
     who = f"daemon running (pid {daemon['pid']})" if daemon["running"] else "daemon not running"
     console.print(f"{data['runs_dir']}: {who}{age}")
+    if daemon.get("state_unreadable"):
+        console.print(f"state.json not used: {daemon['state_unreadable']}")
     if not data["steps"]:
         console.print("no sets known yet: start `skilltrain daemon` "
                       "(or `skilltrain daemon --once`)")

@@ -270,6 +270,9 @@ def test_state_file_of_the_wrong_shape_is_kept_logged_once_and_rebuilt(
     ws.write_step(R, 1, 1, success=True)
     ws.state_file.parent.mkdir(parents=True)
     ws.state_file.write_text(content, encoding="utf-8")
+    # status says so too, and writes nothing (no copy: that is the daemon's)
+    assert "not a state file" in status.collect(ws.runs)["daemon"]["state_unreadable"]
+    assert list(ws.state_file.parent.iterdir()) == [ws.state_file]
 
     with litellm_warm_and_frozen():
         run_once_in_process(ws)
