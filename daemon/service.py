@@ -1070,25 +1070,24 @@ def _read_audit_cache(path: Path, keys_digest: str) -> dict[str, list[int]]:
     return files if isinstance(files, dict) else {}
 
 
-def _subdir_names(path: Path) -> list[str]:
+def _entries(path: Path) -> list[os.DirEntry[str]]:
     try:
         entries = os.scandir(path)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     with entries:
-        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        return list(entries)
+
+
+def _subdir_names(path: Path) -> list[str]:
+    return sorted(e.name for e in _entries(path) if e.is_dir(follow_symlinks=False))
 
 
 def _symlinked_subdirs(path: Path) -> list[str]:
     """Names of the symlinks in `path` that lead to a folder (or nowhere)."""
-    try:
-        entries = os.scandir(path)
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return []
-    with entries:
-        return sorted(e.name for e in entries
-                      if e.is_symlink() and not e.name.startswith(".")
-                      and (e.is_dir() or not os.path.exists(e.path)))
+    return sorted(e.name for e in _entries(path)
+                  if e.is_symlink() and not e.name.startswith(".")
+                  and (e.is_dir() or not os.path.exists(e.path)))
 
 
 def _misnumbered(name: str, kind: str) -> str:
