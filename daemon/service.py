@@ -424,7 +424,7 @@ class Daemon:
             return
 
         now = self.clock()
-        ready_at = max(self._mtime_ready_at(key, obs, now), self._changed_at(key, obs))
+        ready_at = max(self._mtime_ready_at(key, obs, now), self._changed_at(key, obs, now))
         report_exists = key.report_path(self.runs).exists()
         if ready_at > now:
             self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
@@ -480,7 +480,7 @@ class Daemon:
                      event="set.clock_skew")
         return 0.0  # _changed_at's settle window from our own clock applies
 
-    def _changed_at(self, key: layout.SetKey, obs: Observation) -> float:
+    def _changed_at(self, key: layout.SetKey, obs: Observation, now: float) -> float:
         """A set whose files changed since we last looked waits settle_seconds from now.
 
         mtimes alone would do on a local disk; this guards against a writer
@@ -490,7 +490,6 @@ class Daemon:
         (unless _SUCCESS, newer than every episode, says it is).
         """
         previous = self._last_sigs.get(key.id)
-        now = self.clock()
         if previous is None:
             self._last_sigs[key.id] = (obs.sigs, now)
             if obs.success_marker:
