@@ -157,9 +157,10 @@ def _misnamed(scripts: str, missing: list[int]) -> str | None:
         return None
     for name in sorted(names):
         match = _LOOSE_EPISODE_NAME.fullmatch(name)
-        if match and int(match.group(1)) in missing and name != dataset.episode_name(
-                int(match.group(1))):
-            expected = dataset.episode_name(int(match.group(1)))
+        if match is None or int(match.group(1)) not in missing:
+            continue
+        expected = dataset.episode_name(int(match.group(1)))
+        if name != expected:
             return (f"{expected} missing; found {name}, which is not an episode name "
                     "(ep + two or more digits + .txt, lower case)")
     return None

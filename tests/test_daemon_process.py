@@ -27,6 +27,7 @@ from tests.daemon_helpers import (
     Workspace,
     build_workspace,
     litellm_warm_and_frozen,
+    mark_success,
     release_llm_clients,
     remove_tree,
     requested_sets,
@@ -69,12 +70,16 @@ def ws(tmp_path: Path, llm_server: LLMServer) -> Workspace:
 
 
 def old_files(ws: Workspace, run: str = "r1", step: int = 1) -> list[SetId]:
-    """A step whose episodes were written a minute ago: ready as soon as it is seen."""
+    """A step whose episodes were written a minute ago and marked finished (_SUCCESS):
+    ready as soon as it is seen, in the scan's order. Old mtimes alone no longer
+    do: a set seen for the first time waits out the settle window."""
     sets = ws.write_step(run, 1, step)
     past = time.time() - 60
     for work in ws.works:
-        for path in ws.scripts(run, 1, step, work).iterdir():
+        scripts = ws.scripts(run, 1, step, work)
+        for path in scripts.iterdir():
             os.utime(path, (past, past))
+        mark_success(scripts)
     return sets
 
 
