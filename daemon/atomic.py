@@ -43,7 +43,7 @@ def write_all(files: dict[Path, str]) -> None:
                 f.write(text.encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the umask decides
     except BaseException:
         for tmp, _ in temps:
             with contextlib.suppress(FileNotFoundError):
@@ -61,6 +61,19 @@ def write_all(files: dict[Path, str]) -> None:
         raise
     for directory in {path.parent for _, path in temps}:
         fsync_dir(directory)
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would change it for
+    every thread for an instant)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def fsync_dir(directory: Path) -> None:

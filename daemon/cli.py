@@ -6,8 +6,10 @@ Every command module is imported when its command runs, so `--help`,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -79,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_loss_range(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A range that cannot exist is a bad command line (exit 2), said before any work."""
+    if args.first < 0 or args.last < 0:
+        parser.error(f"--first {args.first} --last {args.last}: episode numbers are 0 or more")
+    if args.first > args.last:
+        parser.error(f"--first {args.first} --last {args.last}: --first must not be after "
+                     "--last (both inclusive: --first 1 --last 3 is ep01-ep03)")
+
+
 def _loss(args: argparse.Namespace) -> int:
     from skilltrain import loss_command
 
@@ -135,10 +146,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         args = argparse.Namespace(func=_install_service, rest=argv[1:])
     else:
         args = parser.parse_args(argv)
+        if args.command == "loss":
+            _check_loss_range(parser, args)
     try:
         code = args.func(args)
     except SkilltrainError as e:
-        print(f"skilltrain: {e}", file=sys.stderr)
+        _report_error(args, e)
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
@@ -147,6 +160,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
     sys.exit(int(code))
+
+
+def _report_error(args: argparse.Namespace, error: SkilltrainError) -> None:
+    """The one line a failed command leaves on stderr.
+
+    The daemon's stderr is the journal when it is not a terminal: every other
+    line there is a JSON event, so this one is too (unless the daemon already
+    logged it as daemon.failed).
+    """
+    daemon = getattr(args, "command", None) == "daemon"
+    if not daemon or sys.stderr.isatty():
+        print(f"skilltrain: {error}", file=sys.stderr)
+    elif not error.logged:
+        from skilltrain import log
+
+        event = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z",
+                 "level": "error", "event": "daemon.failed", "reason": log.scrub(str(error)),
+                 "exit_code": int(error.exit_code)}
+        print(json.dumps(event, ensure_ascii=False), file=sys.stderr)
 
 
 if __name__ == "__main__":

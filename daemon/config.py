@@ -159,6 +159,15 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
                           source=path.resolve() if path.exists() else None)
 
 
+def defaults_notice(config: Config) -> str | None:
+    """What was assumed when no config file was found (None when one was)."""
+    if config.source is not None:
+        return None
+    paths = config.paths
+    return (f"no {DEFAULT_CONFIG} in {Path.cwd()} (and no --config): assuming the defaults, "
+            f"data={paths.data} runs={paths.runs} prompts={paths.prompts}")
+
+
 def with_llm_overrides(llm: LLMConfig, overrides: Mapping[str, object],
                        origin: str) -> LLMConfig:
     """[llm] with some keys replaced, validated like the file (flags of `skilltrain loss`)."""

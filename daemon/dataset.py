@@ -8,6 +8,7 @@ numbers only, never file contents.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -50,30 +51,31 @@ def episodes_digest(episodes: Mapping[int, str]) -> str:
 
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
-                 max_bytes: int | None = None) -> str:
+                 answer_key: Path | None = None, max_bytes: int | None = None) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
-    `confine_to`: a symlink may only lead to a file inside this directory.
+    `confine_to`: the file's real path must stay inside this directory (a
+    symlink anywhere on the way may only lead within it); None: the file
+    itself must not be a symlink. `answer_key`: the real path must not lie
+    in this directory (data/: a writer's link to the answer key).
     `max_bytes`: refuse a larger file before reading it into memory.
     """
     try:
-        return _read_episode(path, label, confine_to, max_bytes)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
-    except (OSError, RuntimeError) as e:  # permissions, a symlink loop, a file gone mid-read
+    except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
         reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
         raise RefusedError(f"{label} {path} cannot be read ({reason})") from None
 
 
-def _read_episode(path: Path, label: str, confine_to: Path | None,
+def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
                   max_bytes: int | None) -> str:
-    st = path.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        target = path.resolve(strict=True)
-        if confine_to is None or not target.is_relative_to(confine_to.resolve()):
-            raise RefusedError(f"{label} {path} is a symlink out of {confine_to or 'its folder'}"
-                               "; not followed")
-        st = target.stat()
+    st = os.lstat(path)
+    if confine_to is None and stat.S_ISLNK(st.st_mode):
+        raise RefusedError(f"{label} {path} is a symlink out of its folder; not followed")
+    if confine_to is not None or answer_key is not None:
+        st = os.stat(confine(str(path), confine_to, answer_key=answer_key, label=label))
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
     if st.st_size == 0:
@@ -88,11 +90,77 @@ def _read_episode(path: Path, label: str, confine_to: Path | None,
         raise RefusedError(f"{label} {path} is not valid UTF-8 (byte {e.start})") from None
     if not text.strip():
         raise RefusedError(f"{label} {path} is empty (whitespace only)")
+    if problem := control_characters(text):
+        raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
     return text
 
 
+# C0 and C1 control characters and DEL, except tab, newline, carriage return
+# and form feed (page breaks in screenplay exports). A NUL-filled file, a
+# binary, or terminal escape codes are not text a report can be made from.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+
+
+def control_characters(text: str) -> str | None:
+    """Why `text` is binary or control-character content, or None when it is not."""
+    match = _CONTROL.search(text)
+    if match is None:
+        return None
+    count = len(_CONTROL.findall(text))
+    return (f"{count:,} control character(s), the first U+{ord(match.group()):04X} at "
+            f"character {match.start():,}")
+
+
+def confine(path: str, root: Path | None, *, answer_key: Path | None = None,
+            label: str = "") -> str:
+    """The real path of `path`, which must lie inside `root` and outside `answer_key`.
+
+    The one symlink rule for episodes, scripts/ folders, work and run folders:
+    a link is followed only while it stays inside `root` (runs/) and out of
+    the answer key. Raises RefusedError naming the link (not just the file
+    reached through it) and why: out of the root, into the answer key, a
+    loop, or a dangling target. FileNotFoundError when `path` itself is absent.
+    """
+    os.lstat(path)  # absent: FileNotFoundError for the caller ("missing")
+    prefix = f"{label} " if label else ""
+    try:
+        real = os.path.realpath(path, strict=True)
+    except OSError as e:
+        link = _first_link(path, root)
+        if e.errno == errno.ELOOP:
+            raise RefusedError(f"{prefix}{link} is a symlink loop; not followed") from None
+        if isinstance(e, FileNotFoundError):
+            target = os.readlink(link) if os.path.islink(link) else "?"
+            raise RefusedError(f"{prefix}{link} is a dangling symlink (its target {target} "
+                               "does not exist)") from None
+        raise
+    if answer_key is not None and _is_within(real, os.path.realpath(answer_key)):
+        raise RefusedError(f"{prefix}{_first_link(path, root)} leads into the answer key "
+                           f"({real}); not followed")
+    if root is not None and not _is_within(real, os.path.realpath(root)):
+        raise RefusedError(f"{prefix}{_first_link(path, root)} is a symlink out of "
+                           f"{root.name}/; not followed")
+    return real
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _first_link(path: str, root: Path | None) -> str:
+    """The first symlink on the way from `root` down to `path` (path itself if none)."""
+    start = str(root) if root is not None and _is_within(path, str(root)) else os.path.dirname(path)
+    current = start
+    for part in os.path.relpath(path, start).split(os.sep):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            return current
+    return path
+
+
 def read_range(directory: Path, first: int, last: int, *, label: str,
-               confine_to: Path | None = None, max_bytes: int | None = None) -> dict[int, str]:
+               confine_to: Path | None = None, answer_key: Path | None = None,
+               max_bytes: int | None = None) -> dict[int, str]:
     """Every episode first..last, or RefusedError naming the first bad one.
 
     A range with no episode at all gets the seed's message; a range with some
@@ -113,7 +181,7 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
                 f"the {max_bytes:,}-byte limit the model's context window allows "
                 f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
     return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
-                            max_bytes=max_bytes)
+                            answer_key=answer_key, max_bytes=max_bytes)
             for n, p in zip(numbers, paths, strict=True)}
 
 

@@ -23,6 +23,7 @@ class SkilltrainError(Exception):
     """Root of every error this package raises on purpose."""
 
     exit_code: ExitCode = ExitCode.FAILURE
+    logged: bool = False  # already in the log as daemon.failed: the CLI adds no line
 
 
 class ConfigError(SkilltrainError):
@@ -43,6 +44,12 @@ class BadOutputError(RefusedError):
     """Raised when the model's reply must not become a report: empty, or cut
     off (finish_reason=length). Nothing is written; unlike bad input, the set
     is retried, since the next reply may be whole."""
+
+
+class InputsChangedError(RefusedError):
+    """Raised when an input episode changed or vanished while its report was
+    being made: the report would describe files that no longer exist, so it
+    is not written, and the set waits to settle and is made again."""
 
 
 class LLMError(SkilltrainError):

@@ -118,6 +118,9 @@ def parse_runs_path(runs: Path, path: Path) -> ScriptsPath | None:
     epoch, step = EPOCH_DIR.fullmatch(parts[1]), STEP_DIR.fullmatch(parts[2])
     if not (epoch and step):
         return None
+    if (parts[1], parts[2]) != (f"epoch_{int(epoch.group(1)):02d}",
+                                f"step_{int(step.group(1)):02d}"):
+        return None  # epoch_1, step_001: not ours (the scan says why, once)
     work = parts[3] if len(parts) > 3 else ""
     if len(parts) > 4 and parts[4] != SCRIPTS:
         return None

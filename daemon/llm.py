@@ -8,11 +8,17 @@ on 429/5xx/timeouts/connection errors, at least as long as the server asks
 (Retry-After in seconds or as an HTTP date, or retry-after-ms, read by the
 OpenAI SDK's own parser), no retry on auth or bad-request errors.
 
+`[llm] timeout` bounds each attempt as a whole: the HTTP client's timeout
+is per read, and a server sending a byte every few seconds never trips it.
+The call runs in a helper thread that is abandoned at the deadline (it ends
+when the server does; its reply, if any, is dropped).
+
 litellm costs ~5 s to import, so it is imported on first use only; `status`,
 `tail`, `audit` and `--help` never pay for it.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 import threading
@@ -26,7 +32,7 @@ import tenacity
 
 from skilltrain import leakguard, textnorm
 from skilltrain.config import BUILTIN_MODEL, LLMConfig
-from skilltrain.errors import LLMError
+from skilltrain.errors import ConfigError, LLMError
 
 Message = dict[str, Any]
 BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"
@@ -132,7 +138,12 @@ def complete(messages: Sequence[Message], settings: LLMConfig, *,
     def attempt() -> Any:
         nonlocal attempts
         attempts += 1
-        return _call(messages, settings)
+        response = _call(messages, settings)
+        choices = getattr(response, "choices", None)
+        if not choices or getattr(choices[0], "message", None) is None:
+            # A 200 with `choices: []`: no reply at all, as transient as a 5xx.
+            raise RetryableError("malformed reply: the response has no choices")
+        return response
 
     def wait(state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
@@ -169,6 +180,31 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         from skilltrain import craft_provider
 
         craft_provider.register()
+    kwargs = _request_kwargs(messages, settings)
+    prompt = _prompt_text(messages)
+    where = settings.api_base
+    try:
+        return _within(settings.timeout, lambda: lm.completion(**kwargs))
+    except WholeRequestTimeout:
+        raise RetryableError(f"no complete reply within {settings.timeout:g}s "
+                             "([llm] timeout bounds the whole request)") from None
+    except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
+            lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
+        raise RetryableError(_describe(e, prompt, where), _retry_after(e)) from None
+    except lm.APIError as e:
+        # Any other provider-side 5xx we do not know by name is transient too.
+        if (getattr(e, "status_code", 0) or 0) >= 500:
+            raise RetryableError(_describe(e, prompt, where), _retry_after(e)) from None
+        raise LLMError(_describe(e, prompt, where)) from None
+    except (lm.AuthenticationError, lm.BadRequestError) as e:
+        raise LLMError(_describe(e, prompt, where)) from None
+    except Exception as e:
+        if type(e).__module__.startswith(("litellm", "openai", "httpx")):
+            raise LLMError(_describe(e, prompt, where)) from None
+        raise
+
+
+def _request_kwargs(messages: Sequence[Message], settings: LLMConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": settings.model,
         "messages": list(messages),
@@ -182,29 +218,77 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         kwargs["max_tokens"] = settings.max_output_tokens
     if settings.temperature is not None:
         kwargs["temperature"] = settings.temperature
-    prompt = _prompt_text(messages)
-    try:
-        return lm.completion(**kwargs)
-    except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
-            lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
-        raise RetryableError(_describe(e, prompt), _retry_after(e)) from None
-    except lm.APIError as e:
-        # Any other provider-side 5xx we do not know by name is transient too.
-        if (getattr(e, "status_code", 0) or 0) >= 500:
-            raise RetryableError(_describe(e, prompt), _retry_after(e)) from None
-        raise LLMError(_describe(e, prompt)) from None
-    except (lm.AuthenticationError, lm.BadRequestError) as e:
-        raise LLMError(_describe(e, prompt)) from None
-    except Exception as e:
-        if type(e).__module__.startswith(("litellm", "openai", "httpx")):
-            raise LLMError(_describe(e, prompt)) from None
-        raise
+    if settings.api_base and missing_credentials(settings.model, settings.api_base):
+        # A local OpenAI-compatible server needs no key, but the SDK refuses
+        # to start without one.
+        kwargs["api_key"] = LOCAL_SERVER_KEY
+    return kwargs
 
 
 # A provider message sharing this many words in a row with the prompt echoes it.
 ECHO_WORDS = 6
 MESSAGE_CHARS = 200
 WITHHELD = "(message withheld: it quotes the prompt)"
+LOCAL_SERVER_KEY = "no-key-needed"  # sent to an api_base server when no key is set
+
+
+class WholeRequestTimeout(Exception):
+    """The attempt did not finish within [llm] timeout."""
+
+
+def _within(timeout_s: float, call: Callable[[], Any]) -> Any:
+    """`call()`'s result, or WholeRequestTimeout when it takes longer than `timeout_s`.
+
+    The call runs in a daemon thread with this thread's context (so its log
+    lines keep the job's fields); at the deadline it is abandoned, not killed.
+    """
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            outcome["value"] = context.run(call)
+        except BaseException as e:  # handed to the caller's thread below
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="llm-request", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise WholeRequestTimeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def missing_credentials(model: str, api_base: str | None = None) -> list[str]:
+    """The environment variables holding an API key that `model` needs and lacks.
+
+    litellm's validate_environment also lists base-URL variables (ollama's
+    OLLAMA_API_BASE has a working default): only keys and tokens count here.
+    """
+    if model.startswith(BUILTIN_PREFIX):
+        return []
+    try:
+        report = litellm().validate_environment(model=model, api_base=api_base)
+    except Exception:
+        return []  # a provider litellm cannot check: the first call will say
+    missing = report.get("missing_keys") or []
+    return [str(k) for k in missing if "KEY" in str(k) or "TOKEN" in str(k)]
+
+
+def check_credentials(settings: LLMConfig) -> None:
+    """A provider model without its API key is a configuration error, found at
+    start and not as five retried failures of the first job."""
+    if settings.api_base or settings.model.startswith(BUILTIN_PREFIX):
+        return  # an api_base server (vLLM, Ollama) may need no key: see _call
+    missing = missing_credentials(settings.model)
+    if missing:
+        names = " or ".join(missing)
+        raise ConfigError(f"[llm] model = {settings.model!r} needs the environment variable "
+                          f"{names}, which is not set (API keys come from the environment, "
+                          "never from config.toml)")
 
 
 def _prompt_text(messages: Sequence[Message]) -> str:
@@ -238,7 +322,7 @@ def _echoes(message: str, prompt: str) -> bool:
                for m in re.finditer(b"\x01{%d,}" % ECHO_WORDS, known))
 
 
-def _describe(error: BaseException, prompt: str = "") -> str:
+def _describe(error: BaseException, prompt: str = "", api_base: str | None = None) -> str:
     """Class and status, and the provider's message if it quotes nothing.
 
     The message is the provider's, not ours: it can echo the request (hence
@@ -256,7 +340,8 @@ def _describe(error: BaseException, prompt: str = "") -> str:
     kind = type(error).__name__
     if getattr(error, "litellm_response_headers", "") is None and "Connection error" in message:
         # litellm reports a refused or dropped connection as a 500 it never got.
-        return f"connection to the LLM server failed ({kind}): {message}"
+        where = f" at {api_base}" if api_base else ""
+        return f"connection to the LLM server{where} failed ({kind}): {message}"
     return f"{kind} (HTTP {status}): {message}" if status else f"{kind}: {message}"
 
 

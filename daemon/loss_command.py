@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from skilltrain import config, dataset
+from skilltrain import config, dataset, llm
 from skilltrain.errors import ExitCode, LLMError, RefusedError
 from skilltrain.handlers import loss
 from skilltrain.templates import PromptTemplates
@@ -18,6 +18,7 @@ def main(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         overrides["timeout"] = args.timeout
     settings = config.with_llm_overrides(cfg.llm, overrides, origin="the command line")
+    llm.check_credentials(settings)  # a missing key is exit 2, not five failed attempts
     work = dataset.load_work(args.work)
     job = loss.LossJob(work=work, scripts_dir=args.scripts.resolve(),
                        report_path=args.out.resolve(), first=args.first, last=args.last)

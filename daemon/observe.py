@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import threading
 import time
@@ -44,8 +45,12 @@ class Observation:
     success_marker: bool
     newest_mtime_ns: int
     # The problem will not go away by the writer finishing: a symlink out of
-    # runs/, a folder where a file should be, an unreadable file.
+    # runs/ or into data/, a folder where a file should be, an unreadable
+    # file, a misspelt episode name, _SUCCESS with an episode missing.
     unusable: bool = False
+    # An episode is a zero-byte file: normal for an instant (created, not yet
+    # written), a problem once it has stayed so for the settle window.
+    zero_byte: bool = False
 
     @property
     def complete(self) -> bool:
@@ -58,37 +63,107 @@ class Observation:
         return self.newest_mtime_ns / 1e9 + settle_s
 
 
-def observe(key: SetKey, runs: Path) -> Observation:
+def observe(key: SetKey, runs: Path, answer_key: Path | None = None) -> Observation:
+    """`answer_key`: data/; an episode or folder whose real path is in it is unusable."""
     # Plain strings and os.lstat: this runs for every set at every scan, and
     # pathlib's joins were a third of a 20,000-set scan's time.
     scripts = key.scripts_folder(runs)
+    folder_problem = _folder_problem(scripts, runs, answer_key)
+    if folder_problem is not None:
+        return Observation(key, (), folder_problem, False, 0, unusable=True)
     sigs: list[tuple[int, FileSig]] = []
     problem = None
     unusable = False
+    missing: list[int] = []
     newest = 0
+    zero_byte = False
     for n in range(key.first, key.last + 1):
         name = dataset.episode_name(n)
+        path = f"{scripts}/{name}"
         try:
-            st = _stat_confined(f"{scripts}/{name}", runs)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(dataset.confine(path, runs, answer_key=answer_key))
         except (FileNotFoundError, NotADirectoryError):
+            missing.append(n)
             problem = problem or f"{name} missing"
             continue
-        except (RefusedError, OSError, RuntimeError) as e:
-            problem = problem or (str(e) if isinstance(e, RefusedError)
-                                  else f"{name} cannot be read ({type(e).__name__})")
+        except RefusedError as e:
+            problem = problem or str(e)
             unusable = True
             continue
+        except OSError as e:
+            problem = problem or f"{name} cannot be read ({e.strerror or type(e).__name__})"
+            unusable = True
+            continue
+        newest = max(newest, st.st_mtime_ns)
         if not stat.S_ISREG(st.st_mode):
             problem = problem or f"{name} is not a regular file"
             unusable = True
         elif st.st_size == 0:
-            problem = problem or f"{name} is empty"
+            problem = problem or f"{name} is empty (0 bytes)"
+            zero_byte = True
         else:
             sigs.append((n, FileSig.of(st)))
-            newest = max(newest, st.st_mtime_ns)
-    return Observation(key, tuple(sigs) if problem is None else (), problem,
-                       _marks_finished(f"{scripts}/{SUCCESS_MARKER}", newest), newest,
-                       unusable)
+    marker = _marks_finished(f"{scripts}/{SUCCESS_MARKER}", newest)
+    if problem is not None and not unusable:
+        problem, unusable = _explain_incomplete(scripts, problem, missing, marker)
+    return Observation(key, tuple(sigs) if problem is None else (), problem, marker, newest,
+                       unusable, zero_byte)
+
+
+def _explain_incomplete(scripts: str, problem: str, missing: list[int],
+                        marker: bool) -> tuple[str, bool]:
+    """(problem, unusable) of a range that looks merely unfinished: it will not
+    finish by itself when an episode is there under a wrong name, or when
+    _SUCCESS says the writer is done."""
+    misnamed = _misnamed(scripts, missing) if missing else None
+    if misnamed is not None:
+        return misnamed, True
+    if marker:
+        return f"{problem}, but {SUCCESS_MARKER} says the writer finished", True
+    return problem, False
+
+
+def _folder_problem(scripts: str, runs: Path, answer_key: Path | None) -> str | None:
+    """Why the work or scripts/ folder cannot be used: a link out of runs/ or into
+    data/, a file where the folder should be. None when usable or not there yet."""
+    work_dir = scripts.rsplit("/", 1)[0]
+    for folder in (work_dir, scripts):
+        try:
+            st = os.lstat(folder)
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(dataset.confine(folder, runs, answer_key=answer_key))
+        except FileNotFoundError:
+            return None  # not written yet: its episodes are "missing"
+        except RefusedError as e:
+            return str(e)
+        except OSError as e:
+            return f"{folder} cannot be read ({e.strerror or type(e).__name__})"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{folder} is a file, not a folder"
+    return None
+
+
+# What a writer may have meant by an episode name: ep1.txt, EP01.TXT, Ep001.txt.
+_LOOSE_EPISODE_NAME = re.compile(r"ep0*(\d+)\.txt", re.IGNORECASE)
+
+
+def _misnamed(scripts: str, missing: list[int]) -> str | None:
+    """A missing episode present under another spelling: name both, once."""
+    try:
+        names = os.listdir(scripts)
+    except OSError:
+        return None
+    for name in sorted(names):
+        match = _LOOSE_EPISODE_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) not in missing:
+            continue
+        expected = dataset.episode_name(int(match.group(1)))
+        if name != expected:
+            return (f"{expected} missing; found {name}, which is not an episode name "
+                    "(ep + two or more digits + .txt, lower case)")
+    return None
 
 
 def _marks_finished(marker: str, newest_episode_mtime_ns: int) -> bool:
@@ -99,18 +174,6 @@ def _marks_finished(marker: str, newest_episode_mtime_ns: int) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and st.st_mtime_ns >= newest_episode_mtime_ns
-
-
-def _stat_confined(path: str, runs: Path) -> os.stat_result:
-    """stat, following a symlink only when it stays inside runs/."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        target = Path(path).resolve(strict=True)
-        if not target.is_relative_to(runs.resolve()):
-            raise RefusedError(f"{os.path.basename(path)} is a symlink out of runs/; "
-                               "not followed")
-        st = target.stat()
-    return st
 
 
 def sigs_digest(sigs: tuple[tuple[int, FileSig], ...]) -> str:
@@ -187,7 +250,7 @@ class HumanDigests:
 
 
 def report_is_current(key: SetKey, runs: Path, fingerprint: Fingerprint,
-                      recorded: Fingerprint | None) -> bool:
+                      recorded: Fingerprint | None, answer_key: Path | None = None) -> bool:
     """Is there a report made from exactly these inputs?
 
     Fast path: the fingerprint recorded at write time matches. Slow path
@@ -210,7 +273,7 @@ def report_is_current(key: SetKey, runs: Path, fingerprint: Fingerprint,
         return False
     try:
         model = dataset.read_range(key.scripts_dir(runs), key.first, key.last,
-                                   label="model", confine_to=runs)
+                                   label="model", confine_to=runs, answer_key=answer_key)
     except RefusedError:
         return False
     return bool(inputs.get("model_sha256") == dataset.episodes_digest(model))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -43,6 +44,7 @@ from skilltrain.errors import (
     BadOutputError,
     ConfigError,
     ExitCode,
+    InputsChangedError,
     LLMError,
     RefusedError,
     SkilltrainError,
@@ -50,7 +52,14 @@ from skilltrain.errors import (
 from skilltrain.handlers import loss, optimizer
 from skilltrain.lock import RunsLock
 from skilltrain.metrics import Metrics
-from skilltrain.observe import Fingerprint, HumanDigests, observe, report_is_current, sigs_digest
+from skilltrain.observe import (
+    Fingerprint,
+    HumanDigests,
+    Observation,
+    observe,
+    report_is_current,
+    sigs_digest,
+)
 from skilltrain.state import SetState, StateStore, StepRecord
 from skilltrain.templates import PromptTemplates
 from skilltrain.watcher import Watcher
@@ -60,6 +69,8 @@ RESCAN_DEBOUNCE_S = 0.5
 LOOP_TICK_S = 1.0
 STALL_S = 60.0  # no scan, job end or loop tick for this long: the daemon is stuck
 RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
+CLOCK_SKEW_TOLERANCE_S = 2.0  # mtimes this far ahead of our clock are normal jitter
+ONCE_SETTLE_ROUNDS = 5  # --once: rescans after a settle wait before it gives up on a set
 AUDIT_CACHE = "audit-cache.json"  # in runs/.skilltrain/
 STEP_MARKERS = layout.STEP_MARKERS  # runs/<run>/loss/.steps/epoch_EE-step_SS.json
 
@@ -71,8 +82,10 @@ class Abandoned(Exception):
 class Daemon:
     """The service. Construction is cheap; `start()` does the work."""
 
-    def __init__(self, cfg: config.Config, *, once: bool = False) -> None:
+    def __init__(self, cfg: config.Config, *, once: bool = False,
+                 runs_existed: bool | None = None) -> None:
         self.cfg = cfg
+        self.runs_existed = runs_existed  # None: look at start()
         self.runs = cfg.paths.runs
         self.once = once
         self.log = log.get_logger("skilltrain.daemon")
@@ -94,6 +107,7 @@ class Daemon:
         self._recheck: set[str] = set()  # changed while active: evaluate again afterwards
         self._last_sigs: dict[str, Any] = {}  # set id -> (sigs, monotonic time they changed)
         self._ignored: set[str] = set()
+        self._noticed_this_scan: set[str] = set()
         self._budget_reported: set[str] = set()
         self._evaluating: set[str] = set()  # set ids being evaluated (outside _lock)
         self._optimizer_futures: list[Future[None]] = []  # under _lock
@@ -115,6 +129,8 @@ class Daemon:
         self._template_hash: tuple[float, str] | None = None
         self.abandoned = 0
         self._next_flush_at = 0.0
+        self._once_rescan_at = 0.0  # --once: when sets waiting to settle are ready
+        self.failures = 0  # sets failed or refused, optimizer runs failed (--once exit code)
 
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
@@ -128,25 +144,31 @@ class Daemon:
 
     # --------------------------------------------------------------- start-up
     def start(self) -> None:
-        """Lock, clean up, check config, first scan, start intake. Raises on bad config."""
+        """Check config, lock, clean up, first scan, start intake. Raises on bad config."""
+        preflight(self.cfg)  # before anything is created
+        _quiet_inotify_stop_race()  # every stop of the observer: at SIGTERM, on fallback
+        runs_existed = self.runs_existed if self.runs_existed is not None else self.runs.is_dir()
         self.runs.mkdir(parents=True, exist_ok=True)
         self._run_lock.acquire()
         self.emit("daemon.started", pid=os.getpid(), version=_version(),
                   config=str(self.cfg.source), runs_dir=str(self.runs),
                   observer=self.cfg.watch.observer, concurrency=self.cfg.loss.concurrency,
                   model=self.cfg.llm.model, once=self.once)
+        if not runs_existed:
+            self.emit("daemon.runs_created", runs_dir=str(self.runs))
         # The daemon writes only under runs/*/loss/ and runs/.skilltrain/.
         removed = sum(atomic.remove_leftover_temp_files(d) for d in self._own_dirs())
         if removed:
             self.emit("daemon.cleaned", temp_files=removed)
-        self.templates.check(loss.TEMPLATE)  # a syntax error stops us here, with its line
-        optimizer.check_command(self.cfg.optimizer.command)
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
         self._install_answer_keys()
         self._check_human_ranges()
-        self.state.load()
+        problem = self.state.load(keep_bad_copy=True)
+        if problem:
+            self.emit("state.unreadable", level="error", path=str(self.state.path),
+                      reason=f"{problem}; rebuilt from runs/")
         if self.cfg.metrics.listen and not self.once:
             self.metrics.serve(self.cfg.metrics.listen)  # a bad address stops us here (exit 2)
         self.scheduler.start()
@@ -257,6 +279,7 @@ class Daemon:
     def _scan_tree(self) -> None:
         t0 = time.monotonic()
         self._template_hash = None  # a scan reads the template afresh
+        self._noticed_this_scan = set()
         steps = dict(self._discover_steps())
         for keys in steps.values():
             for key in keys:
@@ -272,6 +295,7 @@ class Daemon:
                     self.state.mark_dirty()
         for step in sorted(steps):
             self.check_step(step, steps[step])
+        self._forget_fixed_paths()
         counts = self.state.counts()
         by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
         self.emit("scan.completed", sets=len(seen),
@@ -281,20 +305,23 @@ class Daemon:
 
     def _discover_steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
         """Every step folder under runs/ with the sets it is expected to have."""
+        self._report_linked_folders(self.runs)
         for run in _subdirs(self.runs):
             if run.name.startswith("."):
                 continue
             works = self._expected_works(run.name)
+            self._report_linked_folders(run)
             for epoch_dir in _subdirs(run):
                 epoch = layout.EPOCH_DIR.fullmatch(epoch_dir.name)
-                if epoch is None:
+                if epoch is None or epoch_dir.name != f"epoch_{int(epoch.group(1)):02d}":
                     if epoch_dir.name != layout.LOSS_DIR:
-                        self._ignore(epoch_dir, "not an epoch_NN folder")
+                        self._ignore(epoch_dir, _misnumbered(epoch_dir.name, "epoch"))
                     continue
+                self._report_linked_folders(epoch_dir)
                 for step_dir in _subdirs(epoch_dir):
                     step = layout.STEP_DIR.fullmatch(step_dir.name)
-                    if step is None:
-                        self._ignore(step_dir, "not a step_NN folder")
+                    if step is None or step_dir.name != f"step_{int(step.group(1)):02d}":
+                        self._ignore(step_dir, _misnumbered(step_dir.name, "step"))
                         continue
                     step_key = layout.StepKey(run.name, int(epoch.group(1)), int(step.group(1)))
                     yield step_key, list(self._sets_of_step(step_key, works))
@@ -302,10 +329,13 @@ class Daemon:
     def _sets_of_step(self, step: layout.StepKey,
                       works: list[dataset.Work] | None = None) -> Iterator[layout.SetKey]:
         step_dir = step.step_dir(self.runs)
+        works = works if works is not None else self._expected_works(step.run)
         for name in _subdir_names(step_dir):
             if name not in self.works:
                 self._ignore(step_dir / name, "unknown work (no data/<work>/human/)")
-        for work in works if works is not None else self._expected_works(step.run):
+            elif all(work.name != name for work in works):
+                self._ignore(step_dir / name, f"work not listed in {step.run}/run.toml")
+        for work in works:
             for first, last in work.ranges(self.cfg.loss.episodes_per_report):
                 yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
 
@@ -328,6 +358,24 @@ class Daemon:
                 self._ignore(run_toml, f"lists unknown work {name!r}")
         return [self.works[n] for n in names if n in self.works]
 
+    def _forget_fixed_paths(self) -> None:
+        """A path under runs/ not noticed again by a whole scan is fixed (or gone)."""
+        runs = f"{self.runs}/"
+        noticed = self._noticed_this_scan
+        self.state.keep_notices(lambda path: path in noticed or not path.startswith(runs))
+
+    def _report_linked_folders(self, parent: Path) -> None:
+        """Run, epoch and step folders that are symlinks are not followed (work
+        and scripts/ folders: see observe); each is named once, with why."""
+        for name in _symlinked_subdirs(parent):
+            link = parent / name
+            try:
+                dataset.confine(str(link), self.runs, answer_key=self.cfg.paths.data)
+                reason = "a symlinked folder; not followed (copy or move it into runs/)"
+            except (RefusedError, OSError) as e:
+                reason = str(e) if isinstance(e, RefusedError) else f"unreadable link ({e})"
+            self._ignore(link, reason, event="set.unusable")
+
     def _check_human_ranges(self) -> None:
         """A range with a hole in the answer key can never be reported: say so at start."""
         for work in self.works.values():
@@ -340,11 +388,15 @@ class Daemon:
                                  f"can never be reported: human {names} missing",
                                  event="work.range_incomplete")
 
-    def _ignore(self, path: Path, reason: str, event: str = "set.ignored") -> None:
-        """Log a path we cannot use once, not at every scan."""
-        if f"{path}: {reason}" not in self._ignored:
-            self._ignored.add(f"{path}: {reason}")
-            self.emit(event, level="warning", path=str(path), reason=reason)
+    def _ignore(self, path: Path, reason: str, event: str = "set.ignored") -> bool:
+        """Log a path we cannot use once, not at every scan. True when logged now."""
+        self.state.notice(str(path), event, reason)  # for status, while it lasts
+        self._noticed_this_scan.add(str(path))
+        if f"{path}: {reason}" in self._ignored:
+            return False
+        self._ignored.add(f"{path}: {reason}")
+        self.emit(event, level="warning", path=str(path), reason=reason)
+        return True
 
     # ------------------------------------------------------------------ hints
     def hint(self, path: Path) -> None:
@@ -388,6 +440,13 @@ class Daemon:
             # The set now waits for its next event or the resync: say so.
             self.log.exception("set.error", **key.log_fields())
 
+    def _settle_later(self, key: layout.SetKey, at: float) -> None:
+        """Look at a set again when its settle window ends. --once has no
+        scheduler: its rescan after the wait looks at every such set."""
+        if self.once:
+            self._once_rescan_at = max(self._once_rescan_at, at)
+        self.schedule_evaluate(key, at=at)
+
     def _evaluate_job(self, key: layout.SetKey) -> None:
         try:
             self.evaluate(key)
@@ -415,32 +474,28 @@ class Daemon:
             self.schedule_evaluate(key)
 
     def _evaluate_claimed(self, key: layout.SetKey) -> None:
-        obs = observe(key, self.runs)
+        obs = observe(key, self.runs, self.cfg.paths.data)
         rec = self.state.get(key.id)
         if not obs.complete:
-            if obs.unusable and obs.problem:
-                # Not a range still being written but a file that will never
-                # do (a symlink out of runs/, a folder named epNN.txt): say so once.
-                self._ignore(key.scripts_dir(self.runs), obs.problem, event="set.unusable")
-            self.state.update(key.id, SetState.WAITING, reason=obs.problem)
+            self._waiting(key, obs)
             return
         work = self.works[key.work]
         human = self.human_digests.digest(work, key.first, key.last) or ""
         fp = Fingerprint.of(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
         recorded = Fingerprint.from_json(rec.fingerprint) if rec and rec.fingerprint else None
-        if human and report_is_current(key, self.runs, fp, recorded):
+        if human and report_is_current(key, self.runs, fp, recorded, self.cfg.paths.data):
             if rec is None or rec.state != SetState.DONE or recorded != fp:
                 self.state.update(key.id, SetState.DONE, reason=None, attempts=0,
                                   fingerprint=fp.as_json(), next_retry_at=None)
             return
 
         now = self.clock()
-        ready_at = max(obs.ready_at(self.cfg.loss.settle_seconds), self._changed_at(key, obs))
+        ready_at = max(self._mtime_ready_at(key, obs, now), self._changed_at(key, obs, now))
         report_exists = key.report_path(self.runs).exists()
         if ready_at > now:
             self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
                               reason=f"settling until {_iso(ready_at)}")
-            self.schedule_evaluate(key, at=ready_at)
+            self._settle_later(key, ready_at)
             return
         if rec and rec.state == SetState.REFUSED and rec.refused_fingerprint == fp.as_json():
             return  # the same input was refused already; wait for it to change
@@ -460,17 +515,52 @@ class Daemon:
             and rec.fingerprint == fp.as_json() else 0
         self._submit(key, fp, attempts)
 
-    def _changed_at(self, key: layout.SetKey, obs: Any) -> float:
+    def _waiting(self, key: layout.SetKey, obs: Observation) -> None:
+        """An incomplete range: one event when it will not complete by itself."""
+        problem = obs.problem or "incomplete"
+        stuck = obs.unusable
+        if obs.zero_byte and not obs.unusable:
+            # A file is created empty an instant before it is written: only
+            # one still empty after the settle window is worth a line.
+            quiet_until = obs.newest_mtime_ns / 1e9 + self.cfg.loss.settle_seconds
+            stuck = quiet_until <= self.clock()
+            if not stuck:
+                self._settle_later(key, quiet_until + 0.05)
+        # Not a range still being written but something that will not do by
+        # itself (a symlink out of runs/, a misspelt name): say so once.
+        if stuck and self._ignore(key.scripts_dir(self.runs), problem, event="set.unusable"):
+            self.failures += 1
+        self.state.update(key.id, SetState.WAITING, reason=problem)
+
+    def _mtime_ready_at(self, key: layout.SetKey, obs: Observation, now: float) -> float:
+        """When the episodes' mtimes say the range is finished; a writer's clock
+        ahead of ours (NFS, a remote copy) is capped, and said once."""
+        ready_at = obs.ready_at(self.cfg.loss.settle_seconds)
+        ahead_s = obs.newest_mtime_ns / 1e9 - now
+        if obs.success_marker or ahead_s <= CLOCK_SKEW_TOLERANCE_S:
+            return ready_at
+        self._ignore(key.scripts_dir(self.runs),
+                     f"newest episode mtime {_iso(obs.newest_mtime_ns / 1e9)} is in the "
+                     "future: the writer's clock is ahead of ours; settling from when the "
+                     "files last changed instead",
+                     event="set.clock_skew")
+        return 0.0  # _changed_at's settle window from our own clock applies
+
+    def _changed_at(self, key: layout.SetKey, obs: Observation, now: float) -> float:
         """A set whose files changed since we last looked waits settle_seconds from now.
 
         mtimes alone would do on a local disk; this guards against a writer
         whose clock (NFS) or copy tool (`cp -p`, rsync -t) sets old mtimes.
+        The first sighting counts as a change: a slow writer appending to a
+        file with an old mtime is not finished just because we looked late
+        (unless _SUCCESS, newer than every episode, says it is).
         """
         previous = self._last_sigs.get(key.id)
-        now = self.clock()
         if previous is None:
-            self._last_sigs[key.id] = (obs.sigs, 0.0)
-            return 0.0
+            self._last_sigs[key.id] = (obs.sigs, now)
+            if obs.success_marker:
+                return 0.0
+            return now + self.cfg.loss.settle_seconds
         sigs, changed = previous
         if sigs != obs.sigs:
             self._last_sigs[key.id] = (obs.sigs, now)
@@ -482,7 +572,8 @@ class Daemon:
         step = self.state.steps.get(key.step_key.id)
         after_optimizer = bool(step and step.optimizer_done)
         self.emit("set.stale", reason="inputs changed since the report was written"
-                  + ("; the optimizer already ran for this step and is NOT re-triggered"
+                  + ("; the optimizer already ran for this step: the step is reported "
+                     "again and the optimizer re-run once the new report is written"
                      if after_optimizer else ""), after_optimizer=after_optimizer,
                   **key.log_fields())
 
@@ -542,18 +633,32 @@ class Daemon:
             self.check_step(key.step_key)
             self.heartbeat.beat()
 
-    def _run_loss(self, key: layout.SetKey, fp: Fingerprint, attempts: int) -> None:
+    def _still_wanted(self, key: layout.SetKey, fp: Fingerprint) -> bool:
+        """Is a queued job still to run, now that it has a worker?"""
         if self.stop_event.is_set():
-            return
-        if sigs_digest(observe(key, self.runs).sigs) != fp.sigs:
+            return False
+        if sigs_digest(observe(key, self.runs, self.cfg.paths.data).sigs) != fp.sigs:
             # Changed while queued: the settle wait starts again.
             self.schedule_evaluate(key)
-            return
+            return False
         if self._over_budget(key.run):
             # Queued before the budget ran out; it must not start now.
             report_exists = key.report_path(self.runs).exists()
             self.state.update(key.id, SetState.STALE if report_exists else SetState.HELD,
                               reason="budget reached")
+            return False
+        return True
+
+    def _inputs_changed(self, key: layout.SetKey, error: InputsChangedError) -> None:
+        """Not a report of what is on disk now: nothing written, the step not
+        counted; the set settles again and is made anew."""
+        self.emit("loss.discarded", level="warning", reason=str(error))
+        self._last_sigs.pop(key.id, None)
+        self.state.update(key.id, SetState.SETTLING, reason=str(error))
+        self._settle_later(key, self.clock() + self.cfg.loss.settle_seconds)
+
+    def _run_loss(self, key: layout.SetKey, fp: Fingerprint, attempts: int) -> None:
+        if not self._still_wanted(key, fp):
             return
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=self.works[key.work], scripts_dir=key.scripts_dir(self.runs),
@@ -571,13 +676,18 @@ class Daemon:
         try:
             result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
                               on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
+                              answer_key=self.cfg.paths.data,
                               hooks=loss.LossHooks(started=started, retry=retry),
                               complete=self.complete, sleep=self._interruptible_sleep)
+        except InputsChangedError as e:
+            self._inputs_changed(key, e)
+            return
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
             self._fail(key, fp, attempts, str(e), event="loss.refused")
             return
         except RefusedError as e:
+            self.failures += 1
             self.emit("loss.refused", level="warning", reason=str(e))
             self.state.update(key.id, SetState.REFUSED, reason=str(e),
                               refused_fingerprint=fp.as_json())
@@ -610,12 +720,33 @@ class Daemon:
         self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
                   cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
                   tokens_cache_write=spend.tokens_cache_write)
+        self._reopen_step(key)
         self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
                           fingerprint=fp.as_json())
+
+    def _reopen_step(self, key: layout.SetKey) -> None:
+        """A new report in a step already reported: the optimizer learnt from the
+        report this one replaces, so the step is reported again and re-optimized."""
+        step = key.step_key
+        with self.state.lock:
+            # After a lost state.json the step's marker file still knows.
+            rec = self.state.steps.get(step.id) or self._step_from_marker(step)
+            if rec is None or rec.reported_at is None:
+                return
+            rec.reported_at = None
+            rec.optimizer_done = False
+            rec.optimizer_attempts = 0
+            rec.optimizer_exit_code = None
+            rec.optimizer_next_at = None
+            rec.generation += 1
+            rec.reopened_reason = f"report {key.id} replaced"
+            self.state.mark_dirty()
+        self._write_step_marker(step)
 
     def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
               retry_after_s: float | None = None, event: str = "loss.failed") -> None:
         attempts += 1
+        self.failures += 1
         gave_up = attempts >= self.cfg.loss.max_attempts
         next_at = None if gave_up else self._next_retry(attempts - 1)
         if next_at is not None and retry_after_s is not None:
@@ -662,9 +793,11 @@ class Daemon:
                 self._optimizer_pending.add(step.id)  # decided and claimed under one lock
         if first_time:
             self._write_step_marker(step)
+            again: dict[str, Any] = ({"again": True, "reason": rec.reopened_reason}
+                                     if rec.generation else {})
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
-                      **progress.step_fields(self.runs, step))
+                      **again, **progress.step_fields(self.runs, step))
         if due:
             self._trigger_optimizer(step)
 
@@ -738,6 +871,8 @@ class Daemon:
             # The output relays are plain threads: bound context does not reach them.
             self.emit(event, **fields, **kw)
 
+        with self.state.lock:
+            generation = self.state.step(step.id).generation
         with log.bound_job(**fields):
             if bad_command is None:
                 self.emit("optimizer.started", argv=argv)
@@ -750,17 +885,23 @@ class Daemon:
                     self._optimizer_pending.discard(step.id)
             rec = self.state.step(step.id)
             with self.state.lock:
-                rec.optimizer_exit_code = result.exit_code
-                rec.optimizer_done = result.exit_code == 0
-                if not rec.optimizer_done:
-                    rec.optimizer_next_at = self.clock() + self.cfg.loss.retry_backoff_s
+                reopened = rec.generation != generation
+                if not reopened:  # else a report changed meanwhile: this run is not the last
+                    rec.optimizer_exit_code = result.exit_code
+                    rec.optimizer_done = result.exit_code == 0
+                    if not rec.optimizer_done:
+                        rec.optimizer_next_at = self.clock() + self.cfg.loss.retry_backoff_s
             self._write_step_marker(step)
+            if result.exit_code != 0:
+                self.failures += 1
             self.emit("optimizer.finished", level="info" if result.exit_code == 0 else "error",
                       exit_code=result.exit_code, duration_ms=result.duration_ms)
             if result.reason is not None:
                 self.emit("optimizer.failed", level="error", reason=result.reason,
                           attempt=rec.optimizer_attempts,
                           will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
+        if reopened:
+            self.check_step(step)
 
     # ------------------------------------------------------------- main loop
     def status_line(self) -> str:
@@ -854,7 +995,26 @@ class Daemon:
         self.stop_event.set()
 
     def run_once(self) -> None:
-        """After the first scan: wait for every job (and optimizer) it started."""
+        """After the first scan: wait for every job (and optimizer) it started.
+
+        Sets that were only settling (first seen, still being written, their
+        inputs changed during the call) are looked at again once the settle
+        window has passed, a few rounds at most: --once ends, it does not
+        wait for a writer that never stops.
+        """
+        for rounds in range(ONCE_SETTLE_ROUNDS + 1):
+            self._drain_once()
+            wait_s = self._once_rescan_at - time.time()
+            if self._once_rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
+                break
+            self._once_rescan_at = 0.0
+            # A settle window is never longer than settle_seconds from now.
+            wait_s = min(wait_s, self.cfg.loss.settle_seconds + CLOCK_SKEW_TOLERANCE_S)
+            if self.stop_event.wait(max(0.0, wait_s) + 0.05):
+                break
+            self.scan()
+
+    def _drain_once(self) -> None:
         while True:
             with self._lock:
                 futures = list(self._active.values())
@@ -920,15 +1080,35 @@ class Daemon:
         self.abandoned = abandoned
 
 
+def preflight(cfg: config.Config) -> None:
+    """Every configuration error found before anything is created or any job runs."""
+    if not cfg.paths.data.is_dir():
+        raise ConfigError(f"[paths] data = {str(cfg.paths.data)!r}: no such folder "
+                          "(the answer keys live in data/<work>/human/)")
+    # A syntax error or a misspelt variable stops us here, with its line.
+    loss.check_template(PromptTemplates(cfg.paths.prompts))
+    optimizer.check_command(cfg.optimizer.command)
+    llm.check_credentials(cfg.llm)
+
+
 def main(config_path: Path | None, once: bool = False) -> int:
     cfg = config.load(config_path)
+    if notice := config.defaults_notice(cfg):
+        print(f"skilltrain: {notice}", file=sys.stderr)
+    try:
+        preflight(cfg)  # before the log file (in runs/) is opened: a bad config creates nothing
+    except ConfigError as e:
+        _log_if_possible(cfg, e)
+        raise
+    runs_existed = cfg.paths.runs.is_dir()
     log.configure(log_file=cfg.log.file, level=cfg.log.level)
-    daemon = Daemon(cfg, once=once)
+    daemon = Daemon(cfg, once=once, runs_existed=runs_existed)
     _install_signal_handlers(daemon)
     try:
         daemon.start()
     except SkilltrainError as e:
         daemon.emit("daemon.failed", level="error", reason=str(e), exit_code=int(e.exit_code))
+        e.logged = True
         daemon.stop_event.set()
         with contextlib.suppress(Exception):
             daemon.scheduler.shutdown(wait=False)
@@ -936,6 +1116,8 @@ def main(config_path: Path | None, once: bool = False) -> int:
         raise
     if once:
         daemon.run_once()
+        if daemon.failures and daemon.exit_code == ExitCode.OK:
+            daemon.exit_code = ExitCode.FAILURE  # cron and scripts must see it
         daemon.shutdown("once: idle")
     else:
         daemon.run_forever()
@@ -945,6 +1127,35 @@ def main(config_path: Path | None, once: bool = False) -> int:
     # partial), and litellm's exit handlers take seconds: end the process now.
     logging_flush()
     os._exit(int(daemon.exit_code))
+
+
+class _InotifyStopRace(logging.Filter):
+    """watchdog logs an *error* when its inotify thread reads one last event
+    while being stopped ("queue_events() called when the thread is inactive"):
+    a benign race of every stop (SIGTERM, runs/ replaced, the fallback to
+    polling), which must not look like a fault. Nothing else logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+_INOTIFY_STOP_RACE = _InotifyStopRace()
+
+
+def _quiet_inotify_stop_race() -> None:
+    logging.getLogger("watchdog.observers.inotify").addFilter(_INOTIFY_STOP_RACE)
+
+
+def _log_if_possible(cfg: config.Config, error: SkilltrainError) -> None:
+    """daemon.failed in the log file too, when its folder exists (created for
+    this, it would not be "nothing created"). Marks the error as logged."""
+    if cfg.log.file is None or not cfg.log.file.parent.is_dir():
+        return
+    log.configure(log_file=cfg.log.file, level=cfg.log.level)
+    log.get_logger("skilltrain.daemon").error("daemon.failed", reason=str(error),
+                                              exit_code=int(error.exit_code))
+    log.shutdown()
+    error.logged = True
 
 
 def _install_signal_handlers(daemon: Daemon) -> None:
@@ -981,13 +1192,34 @@ def _read_audit_cache(path: Path, keys_digest: str) -> dict[str, list[int]]:
     return files if isinstance(files, dict) else {}
 
 
-def _subdir_names(path: Path) -> list[str]:
+def _entries(path: Path) -> list[os.DirEntry[str]]:
     try:
         entries = os.scandir(path)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     with entries:
-        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        return list(entries)
+
+
+def _subdir_names(path: Path) -> list[str]:
+    return sorted(e.name for e in _entries(path) if e.is_dir(follow_symlinks=False))
+
+
+def _symlinked_subdirs(path: Path) -> list[str]:
+    """Names of the symlinks in `path` that lead to a folder (or nowhere)."""
+    return sorted(e.name for e in _entries(path)
+                  if e.is_symlink() and not e.name.startswith(".")
+                  and (e.is_dir() or not os.path.exists(e.path)))
+
+
+def _misnumbered(name: str, kind: str) -> str:
+    """Why a folder is not an epoch/step folder, with the name that would be."""
+    match = (layout.EPOCH_DIR if kind == "epoch" else layout.STEP_DIR).fullmatch(name)
+    article = "an" if kind == "epoch" else "a"
+    if match is None:
+        return f"not {article} {kind}_NN folder"
+    return (f"not {article} {kind}_NN folder: numbers have two or more digits, zero-padded "
+            f"(expected {kind}_{int(match.group(1)):02d})")
 
 
 def _subdirs(path: Path) -> list[Path]:

@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ class StepRecord:
     optimizer_exit_code: int | None = None
     optimizer_done: bool = False
     optimizer_next_at: float | None = None
+    generation: int = 0  # times the step was reopened: a report replaced after it was reported
+    reopened_reason: str | None = None
 
 
 @dataclass
@@ -80,38 +83,80 @@ class StateStore:
         self.sets: dict[str, SetRecord] = {}
         self.steps: dict[str, StepRecord] = {}
         self.spend: dict[str, RunSpend] = {}
+        # Paths under runs/ (and human folders) the daemon cannot use, with why:
+        # what `skilltrain status` shows besides the sets (epoch_1, a linked run).
+        self.notices: dict[str, dict[str, str]] = {}
         self.lock = threading.RLock()
         self._dirty = False
         self.daemon_pid: int | None = None
         self.heartbeat: float | None = None
 
-    def load(self) -> None:
-        """Read the last saved state; a missing or unreadable file means start afresh."""
+    def load(self, *, keep_bad_copy: bool = False) -> str | None:
+        """Read the last saved state; a missing file means start afresh.
+
+        A file that is not a state file (bad JSON, the wrong shape) is not
+        fatal either: the state is a cache of the filesystem and is rebuilt
+        from it. Returns why the file was not used, or None. `keep_bad_copy`
+        (the daemon; `status` writes nothing) keeps the bad file beside it.
+        """
         try:
-            raw = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return
-        if not isinstance(raw, dict) or raw.get("version") != STATE_VERSION:
-            return
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            return f"cannot read it ({getattr(e, 'strerror', None) or type(e).__name__})"
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError("not a JSON object")
+            if raw.get("version") != STATE_VERSION:
+                return None  # another version's state: start afresh, quietly
+            self._load_raw(raw)
+        except (ValueError, TypeError, AttributeError) as e:
+            with self.lock:
+                self.sets, self.steps, self.spend = {}, {}, {}
+            kept = self._keep_copy(text) if keep_bad_copy else None
+            reason = f"not a state file ({type(e).__name__}: {_short(e)})"
+            return f"{reason}; the bad file is kept as {kept}" if kept else reason
+        return None
+
+    def _load_raw(self, raw: dict[str, Any]) -> None:
+        sections = {name: raw.get(name, {}) for name in ("sets", "steps", "spend")}
+        for name, value in sections.items():
+            if not isinstance(value, dict):
+                raise TypeError(f"{name!r} is a {type(value).__name__}, not an object")
         with self.lock:
-            for set_id, rec in raw.get("sets", {}).items():
+            for set_id, rec in sections["sets"].items():
                 try:
+                    rec = dict(rec)
                     rec["state"] = SetState(rec["state"])
                     self.sets[set_id] = SetRecord(**rec)
                 except (KeyError, TypeError, ValueError):
                     continue
-            for step_id, rec in raw.get("steps", {}).items():
+            for step_id, rec in sections["steps"].items():
                 try:
                     self.steps[step_id] = StepRecord(**rec)
                 except TypeError:
                     continue
-            for run, rec in raw.get("spend", {}).items():
+            for run, rec in sections["spend"].items():
                 try:
                     self.spend[run] = RunSpend(**rec)
                 except TypeError:
                     continue
-            self.daemon_pid = raw.get("daemon_pid")
-            self.heartbeat = raw.get("heartbeat")
+            notices = raw.get("notices", {})
+            if isinstance(notices, dict):
+                self.notices = {str(p): n for p, n in notices.items() if isinstance(n, dict)}
+            pid, heartbeat = raw.get("daemon_pid"), raw.get("heartbeat")
+            self.daemon_pid = pid if isinstance(pid, int) else None
+            self.heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else None
+
+    def _keep_copy(self, text: str) -> str | None:
+        copy = self.path.with_name(f"{STATE_FILE}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            atomic.write_text(copy, text)
+        except OSError:
+            return None
+        return str(copy)
 
     def get(self, set_id: str) -> SetRecord | None:
         with self.lock:
@@ -152,6 +197,21 @@ class StateStore:
             self._dirty = True
             return spend
 
+    def notice(self, path: str, event: str, reason: str) -> None:
+        with self.lock:
+            entry = {"event": event, "reason": reason}
+            if self.notices.get(path) != entry:
+                self.notices[path] = entry
+                self._dirty = True
+
+    def keep_notices(self, keep: Callable[[str], bool]) -> None:
+        """Drop the notices of paths that no longer have a problem."""
+        with self.lock:
+            kept = {path: n for path, n in self.notices.items() if keep(path)}
+            if kept != self.notices:
+                self.notices = kept
+                self._dirty = True
+
     def counts(self) -> Counter[str]:
         with self.lock:
             return Counter(rec.state.value for rec in self.sets.values())
@@ -170,10 +230,15 @@ class StateStore:
                 "sets": {k: _record_json(v) for k, v in sorted(self.sets.items())},
                 "steps": {k: asdict(v) for k, v in sorted(self.steps.items())},
                 "spend": {k: asdict(v) for k, v in sorted(self.spend.items())},
+                "notices": dict(sorted(self.notices.items())),
             }
             self._dirty = False
         atomic.write_text(self.path, json.dumps(payload, separators=(",", ":")) + "\n")
         return True
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:120]
 
 
 def _record_json(rec: SetRecord) -> dict[str, Any]:

@@ -23,7 +23,7 @@ STATE_ORDER = [s.value for s in SetState]
 def collect(runs: Path) -> dict[str, Any]:
     """Everything status shows, as plain data (this is also the --json output)."""
     store = StateStore(runs)
-    store.load()
+    unreadable = store.load()  # status writes nothing: the daemon keeps the bad copy
     pid = holder_pid(runs / layout.STATE_DIR)
     steps: dict[str, Counter[str]] = defaultdict(Counter)
     sets = []
@@ -45,11 +45,12 @@ def collect(runs: Path) -> dict[str, Any]:
     return {
         "runs_dir": str(runs),
         "daemon": {"running": pid is not None, "pid": pid,
-                   "state_written_at": store.heartbeat},
+                   "state_written_at": store.heartbeat, "state_unreadable": unreadable},
         "totals": dict(Counter(rec.state.value for rec in store.sets.values())),
         "steps": step_rows,
         "sets": sets,
         "spend": {run: vars(spend) for run, spend in sorted(store.spend.items())},
+        "notices": [{"path": path, **notice} for path, notice in sorted(store.notices.items())],
     }
 
 
@@ -74,9 +75,12 @@ def render(data: dict[str, Any], out: TextIO) -> None:
     age = f", state written {time.time() - written:.0f}s ago" if written else ""
     who = f"daemon running (pid {daemon['pid']})" if daemon["running"] else "daemon not running"
     console.print(f"{data['runs_dir']}: {who}{age}")
+    if daemon.get("state_unreadable"):
+        console.print(f"state.json not used: {daemon['state_unreadable']}")
     if not data["steps"]:
         console.print("no sets known yet: start `skilltrain daemon` "
                       "(or `skilltrain daemon --once`)")
+        _render_notices(data["notices"], console)
         return
     steps = Table(title="steps", title_justify="left")
     for column in ["step", "sets", *STATE_ORDER, "reported", "optimizer"]:
@@ -94,6 +98,7 @@ def render(data: dict[str, Any], out: TextIO) -> None:
         for s in pending:
             sets.add_row(s["set"], s["state"], str(s["attempts"] or ""), s["reason"] or "")
         console.print(sets)
+    _render_notices(data["notices"], console)
     if data["spend"]:
         spend = Table(title="spend", title_justify="left")
         for column in ("run", "reports", "tokens in", "tokens out", "cached", "cache write",
@@ -106,8 +111,30 @@ def render(data: dict[str, Any], out: TextIO) -> None:
         console.print(spend)
 
 
+def _render_notices(notices: list[dict[str, str]], console: Any) -> None:
+    """A set's own problem is in its row; these are the folders that hold no
+    set the daemon can see (epoch_1, a linked run folder, a gap in human/)."""
+    from rich.table import Table
+
+    paths = [n for n in notices if not n["path"].endswith("/scripts")]
+    if not paths:
+        return
+    table = Table(title="paths not used", title_justify="left")
+    for column in ("path", "event", "reason"):
+        table.add_column(column)
+    for n in paths:
+        table.add_row(n["path"], n["event"], n["reason"])
+    console.print(table)
+
+
 def main(config_path: Path | None, as_json: bool, out: TextIO = sys.stdout) -> int:
     cfg = config.load(config_path)
+    if notice := config.defaults_notice(cfg):
+        print(f"skilltrain: {notice}", file=sys.stderr)
+    if not cfg.paths.runs.is_dir():
+        print(f"skilltrain: {cfg.paths.runs} does not exist: no daemon has run with this "
+              "configuration", file=sys.stderr)
+        return 1
     data = collect(cfg.paths.runs)
     if as_json:
         json.dump(data, out, indent=2)

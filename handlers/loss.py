@@ -22,7 +22,7 @@ from typing import Any
 
 from skilltrain import atomic, craft_distance, craft_prompt, dataset, leakguard, llm
 from skilltrain.config import LLMConfig
-from skilltrain.errors import BadOutputError, RefusedError
+from skilltrain.errors import BadOutputError, InputsChangedError, RefusedError
 from skilltrain.templates import PromptTemplates
 
 TEMPLATE = "loss"
@@ -104,13 +104,16 @@ class LossHooks:
 
 def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         on_leak: str = "redact", confine_to: Path | None = None,
-        hooks: LossHooks | None = None, complete: CompleteFn = llm.complete,
+        answer_key: Path | None = None, hooks: LossHooks | None = None,
+        complete: CompleteFn = llm.complete,
         sleep: Callable[[float], None] = time.sleep,
         now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
     """Write the difference report for episodes job.first..job.last.
 
     Raises RefusedError (bad input or output: nothing written), LLMError
     (the call failed for good: nothing written) or ConfigError (template).
+    `answer_key` (default: the work's human/ folder): no model episode may
+    be read from inside it, through any link.
     """
     hooks = hooks or LossHooks()
     started_at, t0 = now(), time.monotonic()
@@ -118,9 +121,16 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     # A model litellm knows no window for (a local server's) still gets a bound.
     max_bytes = window * MAX_BYTES_PER_TOKEN if window else UNKNOWN_WINDOW_MAX_BYTES
 
-    human = job.work.read_human(job.first, job.last, max_bytes=max_bytes)
-    model = dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
-                               confine_to=confine_to, max_bytes=max_bytes)
+    answer_key = answer_key or job.work.human_dir
+
+    def read_inputs() -> tuple[dict[int, str], dict[int, str]]:
+        return (job.work.read_human(job.first, job.last, max_bytes=max_bytes),
+                dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
+                                   confine_to=confine_to, answer_key=answer_key,
+                                   max_bytes=max_bytes))
+
+    human, model = read_inputs()
+    _refuse_copies_of_the_answer_key(job, model)
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
@@ -149,15 +159,18 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     if not report:
         raise BadOutputError(f"the model returned an empty report for {job.work.name} "
                              f"ep{job.range_label}")
+    if problem := dataset.control_characters(report):
+        raise BadOutputError(f"the report for {job.work.name} ep{job.range_label} is not "
+                             f"prose: {problem}")
     if completion.finish_reason not in ("stop", "end_turn", None):
         raise BadOutputError(f"the report for {job.work.name} ep{job.range_label} was cut off "
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
     # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
-    answer_key = leakguard.index_for(job.work.name, {**job.work.read_all_human(), **human})
-    report, leaks = _guard(report, job, answer_key, model, on_leak)
-    if leakguard.find_leaks(archive, answer_key, allow_text=model_block):
+    key_index = leakguard.index_for(job.work.name, {**job.work.read_all_human(), **human})
+    report, leaks = _guard(report, job, key_index, model, on_leak)
+    if leakguard.find_leaks(archive, key_index, allow_text=model_block):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
         raise RefusedError(f"template {template.path} renders human screenplay "
@@ -191,6 +204,7 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         "started_at": started_at.isoformat(),
         "finished_at": now().isoformat(),
     }
+    _check_unchanged(job, hashes, read_inputs)
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
@@ -200,6 +214,16 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                       hashes=hashes, completion=completion, prompt_chars=len(prompt),
                       prompt_tokens=prompt_tokens, leaks_redacted=leaks,
                       duration_ms=duration_ms, sidecar=sidecar)
+
+
+def check_template(templates: PromptTemplates) -> None:
+    """Render the template once with placeholder values for every documented
+    variable: a syntax error or a misspelt variable stops start-up (exit 2)
+    instead of failing every job."""
+    placeholder = "[placeholder]"
+    templates.load(TEMPLATE).render(
+        work=placeholder, title=placeholder, episode_range="1-3",
+        human_scripts=placeholder, model_scripts=placeholder)
 
 
 def build_messages(prompt: str, model_block: str, model: str) -> list[llm.Message]:
@@ -233,6 +257,36 @@ def _guard(report: str, job: LossJob, index: leakguard.HumanIndex, model: dict[i
         raise RefusedError(f"the report for {job.work.name} ep{job.range_label} quotes the "
                            f"human screenplay verbatim in {len(leaks)} place(s)")
     return leakguard.redact(report, leaks), len(leaks)
+
+
+def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str]) -> None:
+    """A model episode with the content of any human episode of the work (a hard
+    link, a copy) is the answer key under another name: never sent, never archived."""
+    human_hashes = {dataset.sha256_text(text): n
+                    for n, text in job.work.read_all_human().items()}
+    for n, text in sorted(model.items()):
+        human_n = human_hashes.get(dataset.sha256_text(text))
+        if human_n is not None:
+            raise RefusedError(
+                f"model episode {job.scripts_dir / dataset.episode_name(n)} has the content "
+                f"of human {dataset.episode_name(human_n)} (a link to or copy of the answer "
+                "key); not sent")
+
+
+def _check_unchanged(job: LossJob, hashes: InputHashes,
+                     read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]]) -> None:
+    """Re-read the inputs just before writing: a report made from files that changed
+    or vanished during the call is not written (it would describe neither version)."""
+    try:
+        human, model = read_inputs()
+    except RefusedError as e:
+        raise InputsChangedError(f"input changed during the call: {e}") from None
+    if dataset.episodes_digest(model) != hashes.model:
+        raise InputsChangedError(f"model episodes {job.range_label} in {job.scripts_dir} "
+                                 "changed during the call; report not written")
+    if dataset.episodes_digest(human) != hashes.human:
+        raise InputsChangedError(f"human episodes {job.range_label} of {job.work.name} "
+                                 "changed during the call; report not written")
 
 
 def read_sidecar(report_path: Path) -> dict[str, Any] | None:

@@ -54,7 +54,7 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = 
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, text=True, errors="replace",
-                                start_new_session=True)
+                                start_new_session=True, env=child_environment())
     except OSError as e:
         return OptimizerResult(None, _ms(t0), f"cannot start {argv[0]!r}: {e.strerror}")
     assert proc.stdout is not None and proc.stderr is not None
@@ -82,6 +82,15 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = 
     for relay in relays:
         relay.join(timeout=5)
     return OptimizerResult(code, _ms(t0), reason)
+
+
+# systemd's notify socket and watchdog belong to the daemon: a child that
+# inherits them could send READY=1 or WATCHDOG=1 (or STOPPING=1) in its name.
+SERVICE_MANAGER_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC")
+
+
+def child_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in SERVICE_MANAGER_VARIABLES}
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

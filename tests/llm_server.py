@@ -94,7 +94,7 @@ def _content_chars(content: object) -> int:
 class Reply:
     """How the server answers one request. Build with the constructors, not directly."""
 
-    kind: str  # "ok" | "error" | "raw"
+    kind: str  # "ok" | "error" | "raw" | "no_choices"
     code: int = 200  # HTTP status
     content: str = ""
     finish_reason: str = "stop"
@@ -107,6 +107,7 @@ class Reply:
     raw: bytes = b""
     delay_s: float = 0.0  # wait this long before answering
     headers: tuple[tuple[str, str], ...] = ()  # sent as they are (e.g. retry-after-ms)
+    trickle_s: float = 0.0  # > 0: send the body one byte every trickle_s seconds
 
     @classmethod
     def ok(
@@ -159,6 +160,17 @@ class Reply:
     def truncated(cls, content: str = DEFAULT_REPORT[:80]) -> Reply:
         """A valid completion cut off at the token limit (finish_reason "length")."""
         return cls.ok(content, finish_reason="length")
+
+    @classmethod
+    def no_choices(cls) -> Reply:
+        """A well-formed chat.completion with `choices: []` (no reply at all)."""
+        return cls(kind="no_choices")
+
+    @classmethod
+    def trickle(cls, every_s: float = 2.0, content: str = DEFAULT_REPORT) -> Reply:
+        """A valid completion whose body arrives one byte every `every_s` seconds:
+        no single read waits long enough for a per-read timeout to fire."""
+        return dataclasses.replace(cls.ok(content), trickle_s=every_s)
 
     @classmethod
     def delay(cls, seconds: float, reply: Reply) -> Reply:
@@ -261,8 +273,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_reply(reply, request)
 
     def _send_reply(self, reply: Reply, request: Request) -> None:
-        if reply.kind == "ok":
+        if reply.kind == "ok" and reply.trickle_s > 0:
+            payload = json.dumps(completion_body(reply, request)).encode()
+            self._send(200, payload, "application/json", {}, trickle_s=reply.trickle_s)
+        elif reply.kind == "ok":
             self._send_json(200, completion_body(reply, request))
+        elif reply.kind == "no_choices":
+            body = completion_body(Reply.ok(""), request)
+            body["choices"] = []
+            self._send_json(200, body)
         elif reply.kind == "error":
             headers = {}
             if reply.retry_after is not None:
@@ -278,7 +297,14 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         self._send(status, json.dumps(body).encode(), "application/json", headers or {})
 
-    def _send(self, status: int, payload: bytes, ctype: str, headers: dict[str, str]) -> None:
+    def _send(
+        self,
+        status: int,
+        payload: bytes,
+        ctype: str,
+        headers: dict[str, str],
+        trickle_s: float = 0.0,
+    ) -> None:
         try:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
@@ -286,7 +312,15 @@ class _Handler(BaseHTTPRequestHandler):
             for name, value in headers.items():
                 self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(payload)
+            if trickle_s <= 0:
+                self.wfile.write(payload)
+                return
+            for i in range(len(payload)):
+                self.wfile.write(payload[i : i + 1])
+                self.wfile.flush()
+                if self.server.stopping.wait(trickle_s):
+                    self.close_connection = True
+                    return
         except OSError:
             # The client gave up (its timeout fired) or stop() cut the socket.
             self.close_connection = True

@@ -557,10 +557,12 @@ def test_template_syntax_error_at_start_exits_2_naming_the_line(
         cwd=tmp_path,
     )
     assert result.returncode == ExitCode.CONFIG == 2, result.stderr
-    # stderr also carries the JSON log (journald); besides it, exactly one line.
-    lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"skilltrain: template {template}, line 3:"), lines[0]
+    # stderr is the journal here (not a terminal): the error is one JSON event
+    # among the others, not a plain line in the middle of them.
+    lines = result.stderr.splitlines()
+    assert all(line.startswith("{") for line in lines), result.stderr
+    (on_stderr,) = [e for e in map(json.loads, lines) if e["event"] == "daemon.failed"]
+    assert on_stderr["reason"].startswith(f"template {template}, line 3:"), on_stderr
     failed = ws.events("daemon.failed")
     assert len(failed) == 1 and failed[0]["exit_code"] == 2
     assert "line 3" in failed[0]["reason"]

@@ -316,7 +316,9 @@ def test_rewritten_episode_is_redone_exactly_once(
     assert set_events(ws, "set.stale", second) == []
     assert ws.report(second).stat().st_mtime_ns == untouched_mtime
     assert_reports_match_final_content(ws, sets)
-    assert len(ws.events("step.reported")) == 1  # reported once, not again
+    # The optimizer may have learnt from the replaced report: reported again.
+    first_report, again = ws.events("step.reported")
+    assert "again" not in first_report and again["again"] is True
 
 
 def test_copy_that_keeps_an_old_mtime_is_still_redone_once(
@@ -541,7 +543,8 @@ def test_stray_files_and_folders_are_ignored_and_the_daemon_keeps_going(
         assert strays[Path(e["path"])] in e["reason"]
     reasons = {set_id: rec.reason or "" for set_id, rec in d.daemon.state.sets.items()}
     assert "ep01.txt missing" in reasons["r1/epoch_01/step_02/alpha/01-03"]
-    assert "symlink out of runs" in reasons["r1/epoch_01/step_03/alpha/01-03"]
+    # The links lead to the answer key itself: refused as such, naming the link.
+    assert "leads into the answer key" in reasons["r1/epoch_01/step_03/alpha/01-03"]
 
     # Still alive and working.
     later = ws.write_step("r1", 2, 1)

@@ -26,6 +26,7 @@ from tests.daemon_helpers import (
     SetId,
     Workspace,
     build_workspace,
+    mark_success,
     release_llm_clients,
     remove_tree,
     requested_sets,
@@ -56,12 +57,16 @@ def ws(tmp_path: Path, llm_server: LLMServer) -> Workspace:
 
 
 def old_files(ws: Workspace, run: str = "r1", step: int = 1) -> list[SetId]:
-    """A step whose episodes were written a minute ago: ready as soon as it is seen."""
+    """A step whose episodes were written a minute ago and marked finished (_SUCCESS):
+    ready as soon as it is seen, in the scan's order. Old mtimes alone no longer
+    do: a set seen for the first time waits out the settle window."""
     sets = ws.write_step(run, 1, step)
     past = time.time() - 60
     for work in ws.works:
-        for path in ws.scripts(run, 1, step, work).iterdir():
+        scripts = ws.scripts(run, 1, step, work)
+        for path in scripts.iterdir():
             os.utime(path, (past, past))
+        mark_success(scripts)
     return sets
 
 
@@ -197,10 +202,12 @@ def test_second_instance_on_the_same_runs_exits_3_with_one_clear_line(
             human = [ln for ln in lines if not ln.startswith("{")]
             print(f"second instance {args}: exit {code}, stderr {lines}")
             assert code == 3
-            assert human == [
-                f"skilltrain: another skilltrain daemon (pid {os.getpid()}) is already "
-                f"running on {ws.runs}"
-            ]
+            # stderr is not a terminal (a journal): the one line is a JSON event.
+            assert human == []
+            (failed,) = [json.loads(ln) for ln in lines if '"daemon.failed"' in ln]
+            assert failed["reason"] == (
+                f"another skilltrain daemon (pid {os.getpid()}) is already running on {ws.runs}"
+            )
         # The first daemon is untouched and still working.
         assert (ws.runs / ".skilltrain" / "daemon.lock").read_text() == lock_text
         assert not first.daemon.stop_event.is_set()

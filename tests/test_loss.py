@@ -407,7 +407,7 @@ def _symlink_to_answer_key(scripts: Path) -> None:
             r"ep02\.txt is not valid UTF-8 \(byte 20\)$",
         ),
         (_directory_ep02, r"ep02\.txt is not a regular file$"),
-        (_symlink_to_answer_key, r"ep02\.txt is a symlink out of .*/runs; not followed$"),
+        (_symlink_to_answer_key, r"ep02\.txt leads into the answer key \(.*\); not followed$"),
     ],
     ids=[
         "range-missing",

@@ -404,3 +404,10 @@ def test_main_writes_logrotate_rules_for_the_configured_log(
     captured = capsys.readouterr()
     assert f"wrote {rules_file}" in captured.err  # stdout stays the unit alone
     assert "wrote" not in captured.out
+
+
+def test_dev_shm_is_private_and_ipc_is_not_shared_with_the_host(tmp_path: Path) -> None:
+    # PrivateDevices= alone binds the host's writable /dev/shm into the unit.
+    unit = render(tmp_path)
+    assert setting(unit, "TemporaryFileSystem") == ["/dev/shm:nosuid,nodev,noexec"]
+    assert setting(unit, "PrivateIPC") == ["yes"]
