@@ -363,12 +363,24 @@ STOCK_LONG = [
 
 
 def _caught(index: HumanIndex, quote: str, disguise: Callable[[str], str]) -> bool:
-    """No 8 words of the quote in a row survive the redaction of a report quoting it."""
-    report = adversarial.report_quoting(disguise(quote))
-    left = leakguard.redact(report, find_leaks(report, index))
-    toks = textnorm.tokens(quote)
-    kept = " " + " ".join(w for v in textnorm.readings(left) for w in v.tokens + ["|"]) + " "
-    return not any(f" {' '.join(toks[i:i + 8])} " in kept for i in range(len(toks) - 7))
+    """The redaction covers the disguised quote but for less than 8 of its words at either end.
+
+    Judged on characters, not by reading the result: a disguise the guard
+    cannot read would hide from a check that reads like the guard.
+    """
+    shown = disguise(quote)
+    report = adversarial.report_quoting(shown)
+    start = report.index(shown)
+    end = start + len(shown)
+    covered = [(max(k.start, start), min(k.end, end)) for k in find_leaks(report, index)
+               if k.start < end and k.end > start]
+    if not covered:
+        return False
+    words = quote.split()
+    head = len(disguise(" ".join(words[:8])))  # about 8 words of the disguised text
+    tail = len(disguise(" ".join(words[-8:])))
+    return (min(s for s, _ in covered) - start < head and end - max(e for _, e in covered) < tail
+            and all(b[0] - a[1] < head for a, b in zip(covered, covered[1:], strict=False)))
 
 
 def _screenplay_with(lines: list[str], base: str, cue: str) -> str:

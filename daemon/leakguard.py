@@ -37,7 +37,7 @@ screenwriter writes) start nothing.
 
 Why these numbers (bench/leakguard_bench.py; bench/RESULTS.md "Issue 11"):
 on the corpus of tests/corpus (a real screenplay as key, 82 lines of 8+ words
-in 25 disguises) rule 2 alone catches 90.2%, rules 1+2 100%; false-positive
+in 26 disguises) rule 2 alone catches 90.2%, rules 1+2 100%; false-positive
 spans on independent real screenplays (Brick & Steel), on data/example's
 independent draft and on reports that do not quote are 0 with either. A
 stock line of 8+ words that the key itself holds is a leak by rule 1 (the
@@ -493,7 +493,7 @@ def _merge_token_spans(found: list[tuple[int, int, int]]) -> list[tuple[int, int
 
 
 def _merge_spans(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
-    """Character spans found by two readings of one text, overlapping ones as one."""
+    """Character spans found by several readings of one text, overlapping ones as one."""
     merged: list[tuple[int, int, int, int]] = []
     for start, end, episode, words in sorted(spans):
         if merged and start < merged[-1][1]:

@@ -25,8 +25,10 @@ Steps, in order:
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
-text that has one is read twice, once with them removed and once with them
-as separators, and a quote found in either reading counts.
+text that has one is read three times: with them all removed, all as
+separators, and each by its use (soft hyphen, joiners, word joiner and BOM
+removed, zero-width space and bidi marks as separators, for a text that
+mixes both); a quote found in any reading counts.
 
 Every character of a reading remembers the span of original characters it
 came from, so a word found in the normalised text maps back to the exact
@@ -125,9 +127,10 @@ def _fold_char(ch: str, format_as: str) -> str:
 class _FoldTable(dict[int, str]):
     """str.translate table that folds each character the first time it is seen."""
 
-    def __init__(self, format_as: str) -> None:
+    def __init__(self, format_as: str, joiners: str = "") -> None:
         super().__init__()
         self.format_as = format_as
+        self.joiners = joiners  # format characters removed even when format_as is a space
 
     def fold_run(self, m: re.Match[str]) -> str:
         """A run of non-ASCII characters, folded (one translate per run)."""
@@ -139,13 +142,16 @@ class _FoldTable(dict[int, str]):
 
     def __missing__(self, code: int) -> str:
         ch = chr(code)
-        folded = ch if code < 128 else _fold_char(ch, self.format_as)
+        folded = ch if code < 128 else _fold_char(ch, "" if ch in self.joiners else self.format_as)
         self[code] = folded
         return folded
 
 
 _JOIN = _FoldTable("")  # format characters removed: inside a word
 _SPLIT = _FoldTable(" ")  # format characters as separators: between words
+# Each by its use: soft hyphen, joiners, word joiner and BOM inside words, the
+# rest (zero-width space, bidi marks) between them; for a text that mixes both.
+_BY_USE = _FoldTable(" ", joiners="\u00ad\u200c\u200d\u2060\ufeff")
 
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
@@ -245,7 +251,7 @@ def _words(text: str) -> list[str]:
 
 
 def readings(text: str, *, offsets: bool = False) -> list[Reading]:
-    """The one or two readings of `text` (two when it has format characters).
+    """The readings of `text`: one, or three when it has format characters.
 
     With offsets=False the origin lists are not built (the check of a clean
     text needs none); call again with offsets=True to map a hit back.
@@ -269,7 +275,7 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
         return run.translate(_JOIN)
 
     joined = _NON_ASCII_RUN.sub(fold_joined, decoded)
-    tables = [_JOIN, _SPLIT] if has_format else [_JOIN]
+    tables = [_JOIN, _SPLIT, _BY_USE] if has_format else [_JOIN]
     out = []
     for table in tables:
         if not offsets:

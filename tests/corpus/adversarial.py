@@ -61,6 +61,8 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "soft hyphen inside": _inside("\u00ad"),
     "bidi mark inside": _inside("\u200e"),
     "BOM inside": _inside("\ufeff"),
+    "soft hyphen inside, zero-width space between": lambda s: _between("\u200b")(
+        _inside("\u00ad")(s)),
     "Cyrillic look-alikes": lambda s: s.translate(_CYRILLIC),
     "Greek look-alikes": lambda s: s.translate(_GREEK),
     "full-width": lambda s: "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in s),
