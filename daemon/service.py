@@ -48,6 +48,7 @@ from skilltrain.errors import (
 )
 from skilltrain.handlers import loss, optimizer
 from skilltrain.lock import RunsLock
+from skilltrain.loop import Loop
 from skilltrain.metrics import Metrics
 from skilltrain.observe import Fingerprint, HumanDigests, observe, report_is_current, sigs_digest
 from skilltrain.state import SetState, StateStore, StepRecord
@@ -107,6 +108,8 @@ class Daemon:
         self.pool = ThreadPoolExecutor(cfg.loss.concurrency, thread_name_prefix="loss")
         self.optimizer_pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.hint, self.emit)
+        self.loop = Loop(cfg, self.emit, stopping=self.stop_event, over_budget=self._over_budget,
+                         request_scan=self._schedule_scan, once=once, clock=clock)
         self._template_hash: tuple[float, str] | None = None
         self.abandoned = 0
         self._next_flush_at = 0.0
@@ -136,6 +139,7 @@ class Daemon:
             self.emit("daemon.cleaned", temp_files=removed)
         self.templates.check(loss.TEMPLATE)  # a syntax error stops us here, with its line
         optimizer.check_command(self.cfg.optimizer.command)
+        self.loop.prepare()
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
@@ -158,6 +162,7 @@ class Daemon:
             self.scheduler.add_job(self.scan, "interval", seconds=interval, id="resync",
                                    jitter=max(1, int(interval * RESYNC_JITTER)),
                                    replace_existing=True)
+            self.loop.start()
         self.notifier.ready()
         self.emit("daemon.ready", observer=self.watcher.kind or "none")
         if self.cfg.integrity.audit_on_start and not self.once:
@@ -350,6 +355,11 @@ class Daemon:
         with self._lock:
             if key.id in self._active:
                 self._recheck.add(key.id)  # coalesce: look again when the job ends
+                return
+            if self.loop.writing(key.step_key):
+                # Scored once the loop recorded its writer's end: a writer re-run
+                # after a crash must not leave a report of the first run's episodes.
+                self.state.update(key.id, SetState.WAITING, reason="the loop's writer is running")
                 return
             self._evaluate_locked(key)
 
@@ -578,6 +588,11 @@ class Daemon:
                        for k in keys):
                 return
             rec = self.state.steps.get(step.id) or self._step_from_marker(step) or StepRecord()
+            if (not rec.optimizer_done and rec.optimizer_attempts
+                    and progress.read_step_marker(self.runs, step).get("optimizer_done")):
+                # state.json lags the marker by up to a flush: after a SIGKILL in
+                # between, the marker's "optimizer ran" must win, or it runs twice.
+                rec = self._step_from_marker(step) or rec
             first_time = rec.reported_at is None
             due = (not rec.optimizer_done
                    and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
@@ -595,6 +610,7 @@ class Daemon:
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
                       **progress.step_fields(self.runs, step))
+            self.loop.notice(step)
         if due:
             self._trigger_optimizer(step)
 
@@ -636,6 +652,7 @@ class Daemon:
                 self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
                 self._optimizer_pending.discard(step.id)
             self._write_step_marker(step)
+            self.loop.notice(step)
             return
         future = self.optimizer_pool.submit(self._run_optimizer, step)
         self._optimizer_futures = [f for f in self._optimizer_futures if not f.done()] + [future]
@@ -672,6 +689,7 @@ class Daemon:
                 self.emit("optimizer.failed", level="error", reason=result.reason,
                           attempt=rec.optimizer_attempts,
                           will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
+            self.loop.notice(step)  # after the events: the next writer's come later
 
     # ------------------------------------------------------------- main loop
     def status_line(self) -> str:
@@ -782,6 +800,7 @@ class Daemon:
         for future in futures:
             with contextlib.suppress(Exception):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
+        self.loop.stop(max(0.0, deadline - time.monotonic()))  # a killed writer reruns at start
         # 4. what is still running (inside an LLM call) is abandoned: it dies
         #    with the process, and its writes are atomic, so nothing is partial
         self.kill_optimizer.set()

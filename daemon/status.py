@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from skilltrain import config, layout
+from skilltrain import config, layout, run_record
 from skilltrain.lock import holder_pid
 from skilltrain.state import SetState, StateStore
 
@@ -50,6 +50,7 @@ def collect(runs: Path) -> dict[str, Any]:
         "steps": step_rows,
         "sets": sets,
         "spend": {run: vars(spend) for run, spend in sorted(store.spend.items())},
+        "loop": run_record.status_rows(runs),
     }
 
 
@@ -74,6 +75,8 @@ def render(data: dict[str, Any], out: TextIO) -> None:
     age = f", state written {time.time() - written:.0f}s ago" if written else ""
     who = f"daemon running (pid {daemon['pid']})" if daemon["running"] else "daemon not running"
     console.print(f"{data['runs_dir']}: {who}{age}")
+    if data["loop"]:
+        run_record.render_status(data["loop"], console)
     if not data["steps"]:
         console.print("no sets known yet: start `skilltrain daemon` "
                       "(or `skilltrain daemon --once`)")
