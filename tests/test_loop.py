@@ -27,6 +27,7 @@ from tests.daemon_helpers import (
     litellm_warm_and_frozen,
     release_llm_clients,
     run_cli,
+    run_once_in_process,
     stays,
     wait_until,
 )
@@ -248,6 +249,26 @@ def test_a_failing_writer_is_retried_then_the_run_stalls_until_retry(
     assert not (ws.runs / RUN / "RETRY").exists()  # consumed: a later stall waits again
     assert end["reason"] == "max_epochs"
     assert journal(ws, "writer") == [(0, 0)]
+    assert journal(ws, "optimizer") == [(0, 0)]
+
+
+def test_a_marker_that_says_the_optimizer_ran_wins_over_a_lagging_state_file(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    """A SIGKILL after the optimizer's marker was written and before state.json was
+    flushed must not run the optimizer again at the next start (the loop builds on it)."""
+    ws = loop_workspace(tmp_path, llm_server.url)
+    ws.write_step(RUN, 0, 0, success=True)
+    run_once_in_process(ws)
+    assert journal(ws, "optimizer") == [(0, 0)]
+    state = ws.state()
+    record = state["steps"][f"{RUN}/epoch_00/step_00"]
+    assert record["optimizer_done"] and record["optimizer_attempts"] == 1
+    record["optimizer_done"] = False  # state.json as it was while the optimizer ran
+    ws.state_file.write_text(json.dumps(state), encoding="utf-8")
+
+    run_once_in_process(ws)
+
     assert journal(ws, "optimizer") == [(0, 0)]
 
 
