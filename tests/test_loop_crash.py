@@ -27,6 +27,7 @@ after it recorded that stage as done. So:
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import signal
@@ -66,6 +67,12 @@ def at(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
+def reached(ws: Workspace, offset: int, event: str) -> bool:
+    """Has the incarnation whose log starts at `offset` logged `event` (or the run's end)?"""
+    mine = {e["event"] for e in ws.events()[offset:]}
+    return event in mine or "run.finished" in mine
+
+
 def journal_lines(ws: Workspace) -> list[dict[str, Any]]:
     path = ws.root / "journal.jsonl"
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
@@ -82,12 +89,8 @@ def test_sigkill_at_random_stages_runs_every_stage_once_per_step(
     for n, target in enumerate(KILL_AFTER):
         offset = len(ws.events())
         with DaemonProcess(ws, name=f"daemon{n}") as daemon:
-
-            def reached() -> bool:
-                mine = {e["event"] for e in ws.events()[offset:]}
-                return target in mine or "run.finished" in mine
-
-            wait_until(reached, STAGE_TIMEOUT_S, message=target)
+            wait_until(functools.partial(reached, ws, offset, target), STAGE_TIMEOUT_S,
+                       message=target)
             time.sleep(rng.uniform(0.0, 0.15))
             daemon.signal(signal.SIGKILL)
             daemon.wait(timeout=10)
