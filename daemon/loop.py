@@ -348,8 +348,7 @@ class Loop:
                 self.request_scan()  # the episodes are there: no need to wait for a hint
                 return
             if self._cancel.is_set():
-                emit("writer.failed", level="warning", reason=result.reason, attempt=attempt,
-                     will_retry=True, counted=False)  # the next start runs it again
+                emit("writer.stopped", reason=result.reason, attempt=attempt)  # runs at next start
                 return
             rec.writer_failures += 1
             will_retry = rec.writer_failures < self.writer_cfg.max_attempts
@@ -362,8 +361,7 @@ class Loop:
             emit("writer.finished", level="error", exit_code=result.exit_code,
                  duration_ms=result.duration_ms, attempt=attempt)
             emit("writer.failed", level="error", reason=result.reason, attempt=attempt,
-                 will_retry=will_retry, counted=True,
-                 next_attempt_s=round(wait_s, 3) if will_retry else None)
+                 will_retry=will_retry, next_attempt_s=round(wait_s, 3) if will_retry else None)
             if not will_retry:
                 emit("run.stalled", level="error", phase=rec.phase.value, reason=rec.stalled)
 

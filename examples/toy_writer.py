@@ -1,7 +1,8 @@
 """A toy closed-book writer for the loop (`make example`, tests/test_loop.py). Stdlib only.
 
     toy_writer.py RUN_DIR EPOCH STEP [--work NAME:EPISODES ...] [--steps-per-epoch K]
-                  [--scenes 1,2,3] [--prev-reports DIR] [--journal FILE] [--fail-while FILE]
+                  [--scenes 1,2,3] [--prev-reports DIR] [--journal FILE]
+                  [--fail-while FILE] [--hold-while FILE]
 
 Writes runs/<run>/epoch_EE/step_SS/<work>/scripts/epNN.txt for every
 episode of each work, then `_SUCCESS`. It invents its text from a
@@ -17,7 +18,8 @@ the text is a function of (run, epoch, step, work, episode), and each file
 is written to a temp name and renamed into place.
 
 --journal FILE appends one JSON line when it starts and one when it ends
-(tests count the runs); --fail-while FILE exits 1 while FILE exists.
+(tests count the runs); --fail-while FILE exits 1 while FILE exists;
+--hold-while FILE waits (up to a minute) while FILE exists before writing.
 """
 from __future__ import annotations
 
@@ -74,11 +76,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prev-reports", default="")
     parser.add_argument("--journal", default=None)
     parser.add_argument("--fail-while", default=None)
+    parser.add_argument("--hold-while", default=None)
     args = parser.parse_args(argv)
     journal(args.journal, event="start", epoch=args.epoch, step=args.step)
     if args.fail_while and os.path.exists(args.fail_while):
         print(f"toy writer: {args.fail_while} exists, failing", file=sys.stderr)
         return 1
+    deadline = time.monotonic() + 60
+    while args.hold_while and os.path.exists(args.hold_while) and time.monotonic() < deadline:
+        time.sleep(0.02)
     schedule = [int(n) for n in args.scenes.split(",")]
     k = args.epoch * args.steps_per_epoch + args.step
     scenes = schedule[min(k, len(schedule) - 1)]

@@ -32,6 +32,7 @@ from tests.daemon_helpers import (
     wait_until,
 )
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
+from tests.test_events import catalogue_problems
 
 pytestmark = [
     pytest.mark.filterwarnings(
@@ -66,7 +67,8 @@ def loop_workspace(root: Path, llm_url: str, *, steps_per_epoch: int = 2, max_ep
     writer = [sys.executable, str(TOY_WRITER), "{run_dir}", "{epoch}", "{step}",
               "--work", "alpha:2", "--steps-per-epoch", str(steps_per_epoch),
               "--scenes", scenes, "--prev-reports", "{prev_reports_dir}",
-              "--journal", journal, "--fail-while", str(root / "writer-fails")]
+              "--journal", journal, "--fail-while", str(root / "writer-fails"),
+              "--hold-while", str(root / "writer-holds")]
     optimizer = [sys.executable, str(TOY_OPTIMIZER), "{run_dir}", "{reports_dir}",
                  "{epoch}", "{step}", "--journal", journal]
     extra = f"""
@@ -154,6 +156,7 @@ def test_a_2x2_loop_runs_every_stage_once_per_step_until_max_epochs(
     reports = ws.runs / RUN / "loss"
     assert prev == ["", *(str(reports / f"epoch_{e:02d}" / f"step_{s:02d}") for e, s in steps[:-1])]
     assert ws.events("run.started", run=RUN)[0]["trigger"] == "start"
+    assert catalogue_problems(ws.events()) == []  # docs/events.md says what was logged
     [row] = loop_status(ws)
     assert (row["run"], row["phase"], row["finished"], row["epoch"], row["step"]) == (
         RUN, "finished", "max_epochs", 1, 1)
@@ -191,6 +194,21 @@ def test_a_stop_rule_ends_the_run(
         assert end["best_craft_distance"] == distances[0] < min(distances[1:])
     assert journal(ws, "writer") == [(0, 0), (0, 1), (0, 2)]  # no writer after the end
     assert ws.events("run.started", run=RUN)[0]["trigger"] == "empty folder"
+
+
+def test_the_budget_ends_the_run(tmp_path: Path, llm_server: LLMServer) -> None:
+    """[llm] budget_usd, the budget that already holds loss jobs, also ends a looped run
+    (gpt-4o-mini's offline price over the loopback: one report costs more than this)."""
+    ws = loop_workspace(tmp_path, llm_server.url, steps_per_epoch=10, max_epochs=1)
+    text = ws.config_path.read_text(encoding="utf-8")
+    text = text.replace('model = "openai/loopback-model"', 'model = "openai/gpt-4o-mini"')
+    ws.config_path.write_text(text.replace("[loss]", "budget_usd = 0.0001\n\n[loss]"))
+    (ws.runs / RUN).mkdir()
+    with InProcessDaemon(ws):
+        end = finished(ws)
+
+    assert end["reason"] == "budget" and end["step"] == 0
+    assert journal(ws, "writer") == [(0, 0)]
 
 
 def test_pause_holds_the_run_after_the_stage_in_flight_and_removing_it_resumes(
@@ -250,6 +268,33 @@ def test_a_failing_writer_is_retried_then_the_run_stalls_until_retry(
     assert end["reason"] == "max_epochs"
     assert journal(ws, "writer") == [(0, 0)]
     assert journal(ws, "optimizer") == [(0, 0)]
+    assert catalogue_problems(ws.events()) == []
+
+
+def test_a_writer_cut_short_by_a_stop_is_not_a_failure_and_runs_again_at_the_next_start(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    ws = loop_workspace(tmp_path, llm_server.url, steps_per_epoch=1, max_epochs=1,
+                        writer_attempts=1, shutdown_timeout_s=0.3)
+    hold = ws.root / "writer-holds"
+    hold.touch()
+    start_run(ws)  # no daemon yet: the next one to start picks it up
+    with InProcessDaemon(ws):
+        wait_until(lambda: ws.events("writer.started"), FINISH_TIMEOUT_S,
+                   message="writer.started")
+    # The stop waited 0.3 s for the writer, then killed it: not a failed attempt.
+    [stopped] = ws.events("writer.stopped")
+    assert stopped["attempt"] == 1
+    assert ws.events("writer.failed") == [] and ws.events("run.stalled") == []
+    hold.unlink()
+    with InProcessDaemon(ws):
+        end = finished(ws)
+
+    assert end["reason"] == "max_epochs"
+    assert journal(ws, "writer", "start") == [(0, 0), (0, 0)]
+    assert journal(ws, "writer") == [(0, 0)]
+    assert [e["attempt"] for e in ws.events("writer.started")] == [1, 1]
+    assert catalogue_problems(ws.events()) == []
 
 
 def test_a_marker_that_says_the_optimizer_ran_wins_over_a_lagging_state_file(
