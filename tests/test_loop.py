@@ -87,7 +87,8 @@ steps_per_epoch = {steps_per_epoch}
 max_epochs = {max_epochs}
 {loop_extra}
 """
-    return build_workspace(root, llm_url, works={"alpha": 2}, per_report=2, extra=extra, **build)
+    build.setdefault("per_report", 2)
+    return build_workspace(root, llm_url, works={"alpha": 2}, extra=extra, **build)
 
 
 def journal(ws: Workspace, stage: str, event: str = "end") -> list[tuple[int, int]]:
@@ -196,10 +197,17 @@ def test_a_stop_rule_ends_the_run(
     assert ws.events("run.started", run=RUN)[0]["trigger"] == "empty folder"
 
 
-def test_the_budget_ends_the_run(tmp_path: Path, llm_server: LLMServer) -> None:
+@pytest.mark.parametrize("sets_per_step", [1, 2])
+def test_the_budget_ends_the_run(
+    tmp_path: Path, llm_server: LLMServer, sets_per_step: int
+) -> None:
     """[llm] budget_usd, the budget that already holds loss jobs, also ends a looped run
-    (gpt-4o-mini's offline price over the loopback: one report costs more than this)."""
-    ws = loop_workspace(tmp_path, llm_server.url, steps_per_epoch=10, max_epochs=1)
+    (gpt-4o-mini's offline price over the loopback: one report costs more than this).
+    One set per step: the step is reported and the stop rule ends the run. Two sets,
+    one job at a time: the budget holds the second set, the step is never reported,
+    and only the check while scoring can end the run."""
+    ws = loop_workspace(tmp_path, llm_server.url, steps_per_epoch=10, max_epochs=1,
+                        per_report=2 // sets_per_step, concurrency=1)
     text = ws.config_path.read_text(encoding="utf-8")
     text = text.replace('model = "openai/loopback-model"', 'model = "openai/gpt-4o-mini"')
     ws.config_path.write_text(text.replace("[loss]", "budget_usd = 0.0001\n\n[loss]"))
@@ -207,7 +215,10 @@ def test_the_budget_ends_the_run(tmp_path: Path, llm_server: LLMServer) -> None:
     with InProcessDaemon(ws):
         end = finished(ws)
 
-    assert end["reason"] == "budget" and end["step"] == 0
+    assert (end["reason"], end["epoch"], end["step"]) == ("budget", 0, 0)
+    assert len(ws.events("loss.completed")) == 1
+    if sets_per_step == 2:
+        assert end["steps"] == 0
     assert journal(ws, "writer") == [(0, 0)]
 
 
