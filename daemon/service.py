@@ -231,6 +231,12 @@ class Daemon:
                 if set_id not in self._active:
                     del self.state.sets[set_id]  # its folder is gone
                     self.state.mark_dirty()
+            step_ids = {step.id for step in steps}
+            for step_id in set(self.state.steps) - step_ids:
+                # Its folder is gone: a run made again under the same name is
+                # reported (and looped) afresh, not taken as reported already.
+                del self.state.steps[step_id]
+                self.state.mark_dirty()
         for step in sorted(steps):
             self.check_step(step, steps[step])
         counts = self.state.counts()

@@ -25,13 +25,14 @@ sed -n '1,20p' runs/example-run/loss/epoch_00/step_00/example_ep01-03.md
 echo
 echo "Closed loop (examples/loop.toml):"
 rm -rf runs/example-loop
+log=runs/skilltrain.jsonl
+seen=$(wc -l < "$log")   # the log goes on across runs of this script: look past this
 skilltrain daemon --config examples/loop.toml 2>/dev/null &
 daemon=$!
 trap 'kill -TERM "$daemon" 2>/dev/null || true' EXIT
 skilltrain start example-loop --config examples/loop.toml
 for _ in $(seq 600); do
-    grep -q '"run.finished"' runs/skilltrain.jsonl 2>/dev/null \
-        && grep '"run.finished"' runs/skilltrain.jsonl | grep -q '"example-loop"' && break
+    tail -n +"$((seen + 1))" "$log" | grep '"run.finished"' | grep -q '"example-loop"' && break
     kill -0 "$daemon" 2>/dev/null || { echo "the daemon exited"; exit 1; }
     sleep 0.2
 done

@@ -12,6 +12,7 @@ rules have something to stop on.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -306,6 +307,24 @@ def test_a_writer_cut_short_by_a_stop_is_not_a_failure_and_runs_again_at_the_nex
     assert journal(ws, "writer") == [(0, 0)]
     assert [e["attempt"] for e in ws.events("writer.started")] == [1, 1]
     assert catalogue_problems(ws.events()) == []
+
+
+def test_a_run_deleted_and_started_again_under_its_name_runs_afresh(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    """state.json must not remember the steps of a run folder that is gone."""
+    ws = loop_workspace(tmp_path, llm_server.url, steps_per_epoch=1, max_epochs=1)
+    start_run(ws)
+    with InProcessDaemon(ws):
+        finished(ws)
+    shutil.rmtree(ws.runs / RUN)
+    start_run(ws)
+    with InProcessDaemon(ws):
+        wait_until(lambda: len(ws.events("run.finished", run=RUN)) == 2, FINISH_TIMEOUT_S,
+                   message="the second run.finished")
+
+    assert journal(ws, "writer") == [(0, 0), (0, 0)]
+    assert journal(ws, "optimizer") == [(0, 0), (0, 0)]
 
 
 def test_a_marker_that_says_the_optimizer_ran_wins_over_a_lagging_state_file(
