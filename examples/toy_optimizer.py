@@ -13,18 +13,10 @@ renamed into place.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
-
-def journal(path: str | None, **fields: object) -> None:
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"stage": "optimizer", "pid": os.getpid(), "t": time.time(),
-                                **fields}) + "\n")
+from toy_writer import journal, write_atomically  # this folder is on sys.path (the script's)
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +27,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("step", type=int)
     parser.add_argument("--journal", default=None)
     args = parser.parse_args(argv)
-    journal(args.journal, event="start", epoch=args.epoch, step=args.step)
+    journal(args.journal, "optimizer", event="start", epoch=args.epoch, step=args.step)
     reports = sorted(p for p in args.reports_dir.glob("*.md") if not p.stem.endswith("_prompt"))
     words = sum(len(p.read_text(encoding="utf-8").split()) for p in reports)
     key = f"epoch {args.epoch} step {args.step}:"
@@ -43,11 +35,9 @@ def main(argv: list[str]) -> int:
     lines = skill.read_text(encoding="utf-8").splitlines() if skill.exists() else []
     lines = [line for line in lines if not line.startswith(key)]
     lines.append(f"{key} learned from {len(reports)} report(s), {words} words")
-    temp = skill.with_name(f".skill.md.{os.getpid()}")
-    temp.write_text("\n".join(sorted(lines)) + "\n", encoding="utf-8")
-    os.replace(temp, skill)
+    write_atomically(skill, "\n".join(sorted(lines)) + "\n")
     print(f"toy optimizer: {key} {len(reports)} report(s)", flush=True)
-    journal(args.journal, event="end", epoch=args.epoch, step=args.step)
+    journal(args.journal, "optimizer", event="end", epoch=args.epoch, step=args.step)
     return 0
 
 

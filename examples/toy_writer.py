@@ -67,10 +67,11 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
-def journal(path: str | None, **fields: object) -> None:
+def journal(path: str | None, stage: str, **fields: object) -> None:
+    """One JSON line per start and end of a stage (the toy optimizer uses it too)."""
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"stage": "writer", "pid": os.getpid(), "t": time.time(),
+            f.write(json.dumps({"stage": stage, "pid": os.getpid(), "t": time.time(),
                                 **fields}) + "\n")
 
 
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fail-while", default=None)
     parser.add_argument("--hold-while", default=None)
     args = parser.parse_args(argv)
-    journal(args.journal, event="start", epoch=args.epoch, step=args.step)
+    journal(args.journal, "writer", event="start", epoch=args.epoch, step=args.step)
     if args.fail_while and os.path.exists(args.fail_while):
         print(f"toy writer: {args.fail_while} exists, failing", file=sys.stderr)
         return 1
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
     print(f"toy writer: epoch {args.epoch} step {args.step}: {scenes} scene(s) per episode, "
           f"{action} action paragraph(s) per scene "
           f"(the step before left {before} report file(s))", flush=True)
-    journal(args.journal, event="end", epoch=args.epoch, step=args.step)
+    journal(args.journal, "writer", event="end", epoch=args.epoch, step=args.step)
     return 0
 
 
