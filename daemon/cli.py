@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the curve to FILE (.svg or .png)")
     p.set_defaults(func=_progress)
 
+    p = sub.add_parser("start", help="begin a looped run: the daemon launches its first writer")
+    _config_arg(p)
+    p.add_argument("run", metavar="RUN", help="run name (runs/RUN/)")
+    p.set_defaults(func=_start)
+
     p = sub.add_parser("audit", help="scan runs/ for answer-key leaks; exit 1 on a leak")
     _config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -121,6 +126,12 @@ def _progress(args: argparse.Namespace) -> int:
     from skilltrain import progress
 
     return progress.main(args.config, args.run, as_json=args.json, plot=args.plot)
+
+
+def _start(args: argparse.Namespace) -> int:
+    from skilltrain import run_record
+
+    return run_record.start_main(args.config, args.run)
 
 
 def _audit(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -76,6 +76,22 @@ class OptimizerConfig(_Section):
     max_attempts: int = Field(3, ge=1)
 
 
+class WriterConfig(_Section):
+    # The closed-book writer of the loop (daemon/loop.py); argv, no shell.
+    command: list[str] = Field(default_factory=list)
+    timeout_s: float = Field(7200.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
+    retry_backoff_s: float = Field(30.0, ge=0)
+
+
+class LoopConfig(_Section):
+    # Present in config.toml: runs advance on their own (writer -> loss -> optimizer).
+    steps_per_epoch: int = Field(10, ge=1)
+    max_epochs: int = Field(3, ge=1)
+    stop_below: float | None = Field(None, ge=0)
+    patience: int | None = Field(None, ge=1)
+
+
 class LogConfig(_Section):
     file: PathValue | None = Path("runs/skilltrain.jsonl")
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -118,6 +134,8 @@ class Config(_Section):
     loss: LossConfig = LossConfig()
     watch: WatchConfig = WatchConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    writer: WriterConfig = WriterConfig()
+    loop: LoopConfig | None = None
     log: LogConfig = LogConfig()
     integrity: IntegrityConfig = IntegrityConfig()
     daemon: DaemonConfig = DaemonConfig()
@@ -230,6 +248,8 @@ def _allowed_keys(section: list[str]) -> list[str]:
     model: type[BaseModel] = Config
     for part in section:
         annotation = model.model_fields[part].annotation
+        # An optional section ([loop]) is `Section | None`: its keys are the Section's.
+        annotation = next((a for a in get_args(annotation) if a is not type(None)), annotation)
         assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
         model = annotation
     return list(model.model_fields)

@@ -74,6 +74,12 @@ def _is_reported(marker: Path) -> bool:
     return data is not None and data.get("reported_at") is not None
 
 
+def read_step_marker(runs: Path, step: layout.StepKey) -> dict[str, Any]:
+    """The step's marker ({} when it has none): `reported_at`, `optimizer_done`, ..."""
+    name = f"epoch_{step.epoch:02d}-step_{step.step:02d}.json"
+    return _read_json(runs / step.run / layout.LOSS_DIR / layout.STEP_MARKERS / name) or {}
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_bytes())

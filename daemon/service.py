@@ -51,6 +51,7 @@ from skilltrain.errors import (
 )
 from skilltrain.handlers import loss, optimizer
 from skilltrain.lock import RunsLock
+from skilltrain.loop import Loop
 from skilltrain.metrics import Metrics
 from skilltrain.observe import (
     Fingerprint,
@@ -126,6 +127,8 @@ class Daemon:
         self.optimizer_pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.hint, self.emit,
                                rescan=self._schedule_scan)
+        self.loop = Loop(cfg, self.emit, stopping=self.stop_event, over_budget=self._over_budget,
+                         request_scan=self._schedule_scan, once=once, clock=self.clock)
         self._template_hash: tuple[float, str] | None = None
         self.abandoned = 0
         self._next_flush_at = 0.0
@@ -160,6 +163,7 @@ class Daemon:
         removed = sum(atomic.remove_leftover_temp_files(d) for d in self._own_dirs())
         if removed:
             self.emit("daemon.cleaned", temp_files=removed)
+        self.loop.prepare()
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
@@ -186,6 +190,7 @@ class Daemon:
             self.scheduler.add_job(self.scan, "interval", seconds=interval, id="resync",
                                    jitter=max(1, int(interval * RESYNC_JITTER)),
                                    replace_existing=True)
+            self.loop.start()
         self.notifier.ready()
         self.emit("daemon.ready", observer=self.watcher.kind or "none")
         if self.cfg.integrity.audit_on_start and not self.once:
@@ -293,6 +298,12 @@ class Daemon:
                 if set_id not in self._active:
                     del self.state.sets[set_id]  # its folder is gone
                     self.state.mark_dirty()
+            step_ids = {step.id for step in steps}
+            for step_id in set(self.state.steps) - step_ids:
+                # Its folder is gone: a run made again under the same name is
+                # reported (and looped) afresh, not taken as reported already.
+                del self.state.steps[step_id]
+                self.state.mark_dirty()
         for step in sorted(steps):
             self.check_step(step, steps[step])
         self._forget_fixed_paths()
@@ -457,6 +468,11 @@ class Daemon:
     # --------------------------------------------------------------- evaluate
     def evaluate(self, key: layout.SetKey) -> None:
         """Look at one set and do the one right thing for it now."""
+        if self.loop.writing(key.step_key):
+            # Scored once the loop recorded its writer's end: a writer re-run
+            # after a crash must not leave a report of the first run's episodes.
+            self.state.update(key.id, SetState.WAITING, reason="the loop's writer is running")
+            return
         with self._lock:
             if key.id in self._active or key.id in self._evaluating:
                 self._recheck.add(key.id)  # coalesce: look again when the job or look ends
@@ -779,6 +795,11 @@ class Daemon:
                        for k in keys):
                 return
             rec = self.state.steps.get(step.id) or self._step_from_marker(step) or StepRecord()
+            if (not rec.optimizer_done and rec.optimizer_attempts
+                    and progress.read_step_marker(self.runs, step).get("optimizer_done")):
+                # state.json lags the marker by up to a flush: after a SIGKILL in
+                # between, the marker's "optimizer ran" must win, or it runs twice.
+                rec = self._step_from_marker(step) or rec
             first_time = rec.reported_at is None
             due = (not rec.optimizer_done
                    and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
@@ -798,6 +819,7 @@ class Daemon:
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
                       **again, **progress.step_fields(self.runs, step))
+            self.loop.notice(step)
         if due:
             self._trigger_optimizer(step)
 
@@ -839,6 +861,7 @@ class Daemon:
                 self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
                 self._optimizer_pending.discard(step.id)
             self._write_step_marker(step)
+            self.loop.notice(step)
             return
         future = self.optimizer_pool.submit(self._run_optimizer, step)
         future.add_done_callback(self._report_crash)
@@ -900,6 +923,7 @@ class Daemon:
                 self.emit("optimizer.failed", level="error", reason=result.reason,
                           attempt=rec.optimizer_attempts,
                           will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
+            self.loop.notice(step)  # after the events: the next writer's come later
         if reopened:
             self.check_step(step)
 
@@ -1052,6 +1076,7 @@ class Daemon:
         for future in futures:
             with contextlib.suppress(Exception):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
+        self.loop.stop(max(0.0, deadline - time.monotonic()))  # a killed writer reruns at start
         # 4. what is still running (inside an LLM call) is abandoned: it dies
         #    with the process, and its writes are atomic, so nothing is partial
         self.kill_optimizer.set()

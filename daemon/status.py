@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from skilltrain import config, layout
+from skilltrain import config, layout, run_record
 from skilltrain.lock import holder_pid
 from skilltrain.state import SetState, StateStore
 
@@ -51,6 +51,7 @@ def collect(runs: Path) -> dict[str, Any]:
         "sets": sets,
         "spend": {run: vars(spend) for run, spend in sorted(store.spend.items())},
         "notices": [{"path": path, **notice} for path, notice in sorted(store.notices.items())],
+        "loop": run_record.status_rows(runs),
     }
 
 
@@ -77,6 +78,8 @@ def render(data: dict[str, Any], out: TextIO) -> None:
     console.print(f"{data['runs_dir']}: {who}{age}")
     if daemon.get("state_unreadable"):
         console.print(f"state.json not used: {daemon['state_unreadable']}")
+    if data["loop"]:
+        run_record.render_status(data["loop"], console)
     if not data["steps"]:
         console.print("no sets known yet: start `skilltrain daemon` "
                       "(or `skilltrain daemon --once`)")

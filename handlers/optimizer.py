@@ -30,21 +30,24 @@ class OptimizerResult:
     reason: str | None = None
 
 
-def render_argv(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
+def render_argv(command: Sequence[str], values: Mapping[str, str], *,
+                section: str = "optimizer") -> list[str]:
     """Fill the placeholders; an unknown one is a config error, found at start-up."""
     try:
         return [part.format_map(values) for part in command]
     except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"[optimizer] command = {list(command)!r}: bad placeholder {e}; "
-                          f"allowed: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        raise ConfigError(f"[{section}] command = {list(command)!r}: bad placeholder {e}; "
+                          f"allowed: {', '.join('{' + p + '}' for p in values)}") from None
 
 
-def check_command(command: Sequence[str]) -> None:
-    render_argv(command, {name: name for name in PLACEHOLDERS})
+def check_command(command: Sequence[str], placeholders: Sequence[str] = PLACEHOLDERS, *,
+                  section: str = "optimizer") -> None:
+    render_argv(command, {name: name for name in placeholders}, section=section)
 
 
 def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = None,
-        cancel: threading.Event | None = None) -> OptimizerResult:
+        cancel: threading.Event | None = None,
+        output_event: str = "optimizer.output") -> OptimizerResult:
     """Run the command to completion, its timeout, or `cancel` (the daemon stopping).
 
     It runs in a session of its own, so a timeout or a cancel kills its
@@ -58,7 +61,8 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = 
     except OSError as e:
         return OptimizerResult(None, _ms(t0), f"cannot start {argv[0]!r}: {e.strerror}")
     assert proc.stdout is not None and proc.stderr is not None
-    relays = [threading.Thread(target=_relay, args=(stream, name, emit), daemon=True)
+    relays = [threading.Thread(target=_relay, args=(stream, name, emit, output_event),
+                               daemon=True)
               for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for relay in relays:
         relay.start()
@@ -99,10 +103,10 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def _relay(stream: IO[str], name: str, emit: Emit) -> None:
+def _relay(stream: IO[str], name: str, emit: Emit, event: str) -> None:
     with stream:
         for line in stream:
-            emit("optimizer.output", stream=name, line=line.rstrip("\n"))
+            emit(event, stream=name, line=line.rstrip("\n"))
 
 
 def _ms(t0: float) -> int:

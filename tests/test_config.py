@@ -64,9 +64,10 @@ def test_the_shipped_config_toml_is_valid_and_states_the_defaults() -> None:
     cfg = config.load(REPO / "config.toml", environ={})
 
     defaults = Config()
-    for section in ("llm", "loss", "watch", "optimizer", "integrity", "daemon"):
+    for section in ("llm", "loss", "watch", "optimizer", "writer", "integrity", "daemon"):
         assert getattr(cfg, section) == getattr(defaults, section), section
     assert cfg.log.level == defaults.log.level
+    assert cfg.loop is None  # commented out: no run advances on its own unless asked
     assert cfg.paths.prompts == REPO / "prompts"
     assert (cfg.paths.prompts / "loss.md.j2").is_file()
 
@@ -111,7 +112,8 @@ def test_unknown_section_suggests_the_close_one(tmp_path: Path) -> None:
 
     assert message == (
         "unknown key llms (did you mean 'llm'?); "
-        "allowed: paths, llm, loss, watch, optimizer, log, integrity, daemon, metrics"
+        "allowed: paths, llm, loss, watch, optimizer, writer, loop, log, integrity, daemon, "
+        "metrics"
     )
 
 

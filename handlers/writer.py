@@ -1,0 +1,66 @@
+"""The writer stage: run the user's closed-book writer for one step of a looped run.
+
+    [writer] command = ["python", "-m", "my_writer", "--run", "{run_dir}",
+                        "--epoch", "{epoch}", "--step", "{step}"]
+
+It is the optimizer's runner (handlers/optimizer.py) with other placeholders
+and event names: no shell, the command's own session (a timeout or a stop
+kills its whole process group), its output relayed line by line as
+`writer.output`. The writer writes
+`runs/<run>/epoch_EE/step_SS/<work>/scripts/epNN.txt` (and `_SUCCESS` when
+done, or the daemon waits `settle_seconds`); the daemon picks the episodes up
+as it does those of any writer.
+
+The daemon may run the writer of a step twice: when it is killed while the
+writer runs (or after the writer exited, before the daemon recorded it), the
+restarted daemon runs it again. A writer must be safe to re-run: write each
+file atomically (temp file, rename) and produce the step's files again.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skilltrain import layout
+from skilltrain.handlers import optimizer
+from skilltrain.handlers.optimizer import Emit, OptimizerResult
+
+SECTION = "writer"
+PLACEHOLDERS = ("run", "run_dir", "epoch", "step", "prev_reports_dir")
+
+
+@dataclass(frozen=True)
+class WriterJob:
+    """The step to write, and where the step before it was reported (None: the first)."""
+
+    step: layout.StepKey
+    previous: layout.StepKey | None
+
+    def values(self, runs: Path) -> dict[str, str]:
+        return {
+            "run": self.step.run,
+            "run_dir": str(self.step.run_dir(runs)),
+            "epoch": str(self.step.epoch),  # the integer; the folder is epoch_EE
+            "step": str(self.step.step),
+            "prev_reports_dir": "" if self.previous is None
+            else str(self.previous.reports_dir(runs)),
+        }
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"run": self.step.run, "epoch": self.step.epoch, "step": self.step.step}
+
+
+def check_command(command: list[str]) -> None:
+    """An unknown placeholder is a config error (exit 2), found at start-up."""
+    optimizer.check_command(command, PLACEHOLDERS, section=SECTION)
+
+
+def run(command: list[str], job: WriterJob, runs: Path, *, timeout_s: float, emit: Emit,
+        attempt: int, cancel: threading.Event) -> OptimizerResult:
+    """Run the writer once; `writer.started` and `writer.output` are logged here."""
+    argv = optimizer.render_argv(command, job.values(runs), section=SECTION)
+    emit("writer.started", argv=argv, attempt=attempt)
+    return optimizer.run(argv, timeout_s=timeout_s, emit=emit, cancel=cancel,
+                         output_event="writer.output")
