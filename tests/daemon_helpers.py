@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pytest
-
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,18 +53,6 @@ _MODEL_WORDS = (
     "oar pewter quay rigging rust sable shingle skiff sorrel spindle tallow thistle "
     "tinder umber vellum wicker willow wren yarrow zinc basalt cormorant dune estuary"
 ).split()
-
-
-# Warning filters for a module that runs the daemon with litellm: litellm's
-# client cache may drop an unclosed keep-alive socket, and watchdog warns when
-# `mkdir -p` outruns its watches (harmless; as an error it kills its thread).
-DAEMON_TEST_MARKS = [
-    pytest.mark.filterwarnings(
-        r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
-        "pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings("ignore:Callback with id .* already exists:RuntimeWarning"),
-]
 
 
 # ------------------------------------------------------------------------ waiting

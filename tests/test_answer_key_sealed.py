@@ -23,7 +23,6 @@ from tests.corpus import adversarial
 from tests.daemon_helpers import (
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     release_llm_clients,
     run_cli,
     run_once_in_process,
@@ -33,17 +32,13 @@ from tests.llm_server import LLMServer, Reply, Request
 # Same filters as tests/test_bad_input.py: litellm's client cache may drop an
 # unclosed keep-alive socket (collected at teardown by release_llm_clients).
 pytestmark = [
+    pytest.mark.usefixtures("litellm_frozen"),
     pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning"),
     pytest.mark.filterwarnings(
         r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
         "pytest.PytestUnraisableExceptionWarning"
     ),
 ]
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -16,25 +16,22 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from skilltrain.errors import ConfigError, ExitCode
 from tests.daemon_helpers import (
-    DAEMON_TEST_MARKS,
     SKILLTRAIN,
     InProcessDaemon,
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
-    release_llm_clients,
     run_cli,
     run_once_in_process,
     subprocess_env,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import LLMServer, Reply
 
 pytestmark = DAEMON_TEST_MARKS
@@ -42,12 +39,6 @@ pytestmark = DAEMON_TEST_MARKS
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
 S = SetId("r1", 1, 1, "alpha", 1, 3)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-    release_llm_clients()
 
 
 def workspace(root: Path, url: str, llm_timeout_s: float = 5.0) -> Workspace:

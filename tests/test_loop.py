@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,6 @@ from tests.daemon_helpers import (
     InProcessDaemon,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
-    release_llm_clients,
     run_cli,
     run_once_in_process,
     stays,
@@ -36,6 +33,7 @@ from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 from tests.test_events import catalogue_problems
 
 pytestmark = [
+    pytest.mark.usefixtures("litellm_frozen"),
     pytest.mark.filterwarnings(
         r"ignore:Exception ignored in. <socket\.socket fd=\d+, family=2:"
         "pytest.PytestUnraisableExceptionWarning"
@@ -48,12 +46,6 @@ TOY_OPTIMIZER = REPO / "examples" / "toy_optimizer.py"
 RUN = "r1"
 FINISH_TIMEOUT_S = 60.0
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-    release_llm_clients()
 
 
 def toml_list(items: list[str]) -> str:

@@ -8,21 +8,18 @@ import os
 import socket
 import stat
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.daemon_helpers import (
-    DAEMON_TEST_MARKS,
     InProcessDaemon,
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
-    release_llm_clients,
     run_once_in_process,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import LLMServer
 
 pytestmark = DAEMON_TEST_MARKS
@@ -31,12 +28,6 @@ NO_AUDIT = "[integrity]\naudit_on_start = false\n"
 S = SetId("r1", 1, 1, "alpha", 1, 3)
 ENV_DUMP = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-    release_llm_clients()
 
 
 def workspace(root: Path, url: str, extra: str = "") -> Workspace:

@@ -14,25 +14,23 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.daemon_helpers import (
-    DAEMON_TEST_MARKS,
     REPO,
     InProcessDaemon,
     SetId,
     Workspace,
     build_workspace,
-    litellm_warm_and_frozen,
     mark_success,
     model_episode,
-    release_llm_clients,
     stays,
     wait_until,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
 pytestmark = DAEMON_TEST_MARKS
@@ -40,12 +38,6 @@ pytestmark = DAEMON_TEST_MARKS
 RECORDER = REPO / "tests" / "optimizer_recorder.py"
 S = SetId("r1", 1, 1, "alpha", 1, 3)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _litellm_imported() -> Iterator[None]:
-    with litellm_warm_and_frozen():
-        yield
-    release_llm_clients()
 
 
 def workspace(root: Path, server: LLMServer, settle_s: float = 0.3) -> Workspace:

@@ -25,7 +25,6 @@ import pytest
 
 from skilltrain import status
 from tests.daemon_helpers import (
-    DAEMON_TEST_MARKS,
     InProcessDaemon,
     SetId,
     Workspace,
@@ -36,6 +35,7 @@ from tests.daemon_helpers import (
     release_llm_clients,
     run_once_in_process,
 )
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import LLMServer
 
 pytestmark = DAEMON_TEST_MARKS
