@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Mapping
@@ -34,6 +35,9 @@ class StateDB:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Created here, so its mode follows the umask like every file the
+        # daemon writes (SQLite's own default is 0644); -wal and -shm copy it.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o666))
         self._conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                      check_same_thread=False)
         try:
