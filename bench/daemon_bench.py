@@ -716,8 +716,8 @@ def scale_start(ws: Workspace, opts: ScaleOptions, server: LLMServer | None = No
             sets=int(scan["sets"]),
             done=int(scan.get("done", 0)),
         )
-        state_file = ws.runs / ".skilltrain" / "state.json"
-        wait_until(state_file.exists, 60, "state.json", poll_s=0.05)
+        state_file = ws.runs / ".skilltrain" / "state.sqlite3"
+        wait_until(state_file.exists, 60, "the state database", poll_s=0.05)
         if server is None:
             result.queued = len(daemon.find("loss.queued"))
         else:

@@ -29,6 +29,8 @@ from skilltrain.errors import ConfigError
 
 DEFAULT_CONFIG = Path("config.toml")
 LLM_ENV_PREFIX = "SKILLTRAIN_LLM_"
+# Overrides [paths] state: the systemd unit points it into StateDirectory=.
+STATE_ENV = "SKILLTRAIN_STATE"
 BUILTIN_MODEL = "builtin/craft-metrics"
 
 # TOML has no path type: accept a string here, stay strict everywhere else.
@@ -43,6 +45,8 @@ class PathsConfig(_Section):
     data: PathValue = Path("data")
     runs: PathValue = Path("runs")
     prompts: PathValue = Path("prompts")
+    # Unset: <runs>/.skilltrain/state.sqlite3, wherever [paths] runs points.
+    state: PathValue = Path("runs/.skilltrain/state.sqlite3")
 
 
 class LLMConfig(_Section):
@@ -174,7 +178,8 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
     except ValidationError as e:
         raise ConfigError(f"{path}: {_describe(e, from_env)}") from None
     return _resolve_paths(config, path.resolve().parent,
-                          source=path.resolve() if path.exists() else None)
+                          source=path.resolve() if path.exists() else None,
+                          state=environ.get(STATE_ENV) or None)
 
 
 def defaults_notice(config: Config) -> str | None:
@@ -255,14 +260,21 @@ def _allowed_keys(section: list[str]) -> list[str]:
     return list(model.model_fields)
 
 
-def _resolve_paths(config: Config, base: Path, source: Path | None) -> Config:
+def _resolve_paths(config: Config, base: Path, source: Path | None,
+                   state: str | None = None) -> Config:
     def resolve(p: Path) -> Path:
         return p if p.is_absolute() else (base / p).resolve()
 
+    runs = resolve(config.paths.runs)
+    if state is None and "state" not in config.paths.model_fields_set:
+        state_path = runs / ".skilltrain" / "state.sqlite3"
+    else:
+        state_path = resolve(Path(state) if state is not None else config.paths.state)
     paths = PathsConfig(
         data=resolve(config.paths.data),
-        runs=resolve(config.paths.runs),
+        runs=runs,
         prompts=resolve(config.paths.prompts),
+        state=state_path,
     )
     log_file = None if config.log.file is None else resolve(config.log.file)
     log = config.log.model_copy(update={"file": log_file})

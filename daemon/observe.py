@@ -177,7 +177,7 @@ def _marks_finished(marker: str, newest_episode_mtime_ns: int) -> bool:
 
 
 def sigs_digest(sigs: tuple[tuple[int, FileSig], ...]) -> str:
-    """The stat signatures of a range, short: state.json keeps one per set."""
+    """The stat signatures of a range, short: the state keeps one per set."""
     text = ";".join(f"{n}:{s.size}:{s.mtime_ns}:{s.ino}" for n, s in sigs)
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 

@@ -94,12 +94,12 @@ class Daemon:
         self.notifier = notify.Notifier.from_env(on_error=self._notify_failed)
         self.metrics = Metrics(lambda: self.state.counts(), [s.value for s in SetState])
         self.complete = self.metrics.timed(llm.complete)
-        self.clock = time.time  # wall clock: retry times are kept in state.json
+        self.clock = time.time  # wall clock: retry times are kept in the state
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
         self.abort_event = threading.Event()  # abandon jobs waiting to retry
         self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
         self.exit_code = ExitCode.OK
-        self.state = StateStore(self.runs)
+        self.state = StateStore(self.runs, cfg.paths.state)
         self.templates = PromptTemplates(cfg.paths.prompts)
         self.human_digests = HumanDigests()
         self.works: dict[str, dataset.Work] = {}
@@ -169,7 +169,7 @@ class Daemon:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
         self._install_answer_keys()
         self._check_human_ranges()
-        problem = self.state.load(keep_bad_copy=True)
+        problem = self.state.load()
         if problem:
             self.emit("state.unreadable", level="error", path=str(self.state.path),
                       reason=f"{problem}; rebuilt from runs/")
@@ -296,14 +296,11 @@ class Daemon:
         with self.state.lock:
             for set_id in set(self.state.sets) - seen:
                 if set_id not in self._active:
-                    del self.state.sets[set_id]  # its folder is gone
-                    self.state.mark_dirty()
-            step_ids = {step.id for step in steps}
-            for step_id in set(self.state.steps) - step_ids:
+                    self.state.forget(set_id)  # its folder is gone
+            for step_id in set(self.state.steps) - {step.id for step in steps}:
                 # Its folder is gone: a run made again under the same name is
                 # reported (and looped) afresh, not taken as reported already.
-                del self.state.steps[step_id]
-                self.state.mark_dirty()
+                self.state.forget_step(step_id)
         for step in sorted(steps):
             self.check_step(step, steps[step])
         self._forget_fixed_paths()
@@ -745,7 +742,7 @@ class Daemon:
         report this one replaces, so the step is reported again and re-optimized."""
         step = key.step_key
         with self.state.lock:
-            # After a lost state.json the step's marker file still knows.
+            # After a lost state the step's marker file still knows.
             rec = self.state.steps.get(step.id) or self._step_from_marker(step)
             if rec is None or rec.reported_at is None:
                 return
@@ -756,7 +753,7 @@ class Daemon:
             rec.optimizer_next_at = None
             rec.generation += 1
             rec.reopened_reason = f"report {key.id} replaced"
-            self.state.mark_dirty()
+            self.state.put_step(step.id, rec)
         self._write_step_marker(step)
 
     def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
@@ -824,9 +821,9 @@ class Daemon:
             self._trigger_optimizer(step)
 
     def _step_from_marker(self, step: layout.StepKey) -> StepRecord | None:
-        """The step's record from its marker file, when state.json was lost.
+        """The step's record from its marker file, when the state was lost.
 
-        state.json is a cache; the marker beside the reports is what keeps
+        The state is a cache; the marker beside the reports is what keeps
         step.reported (and the optimizer) from happening twice after it is
         deleted or corrupted.
         """
@@ -835,8 +832,7 @@ class Daemon:
             rec = StepRecord(**data)
         except (OSError, ValueError, TypeError):
             return None
-        self.state.steps[step.id] = rec
-        self.state.mark_dirty()
+        self.state.put_step(step.id, rec)
         return rec
 
     def _step_marker(self, step: layout.StepKey) -> Path:
@@ -906,8 +902,8 @@ class Daemon:
             finally:
                 with self.state.lock:
                     self._optimizer_pending.discard(step.id)
-            rec = self.state.step(step.id)
             with self.state.lock:
+                rec = self.state.step(step.id)  # under the lock: a flush sees all or nothing
                 reopened = rec.generation != generation
                 if not reopened:  # else a report changed meanwhile: this run is not the last
                     rec.optimizer_exit_code = result.exit_code
@@ -973,10 +969,12 @@ class Daemon:
                 last_status = line
 
     def _flush_state(self) -> None:
-        """Write state.json when dirty, at most every 10x its last write's cost.
+        """Write the state's changes since the last flush, at most every 10x
+        its last write's cost.
 
-        A state of 20,000 sets takes a good fraction of a second to write; a
-        busy daemon must not spend its time rewriting it every tick.
+        A flush costs the size of its batch (a millisecond or so for a tick's
+        changes; the first scan's 100,000 new sets take a second): a busy
+        daemon must not spend its time writing every tick.
         """
         now = time.monotonic()
         if now < self._next_flush_at:
@@ -985,7 +983,6 @@ class Daemon:
             written = self.state.flush(pid=os.getpid())
         except OSError as e:
             # A full disk must not take the daemon down; the state is a cache.
-            self.state.mark_dirty()
             self._next_flush_at = now + 10 * LOOP_TICK_S
             self.emit("state.write_failed", level="warning", path=str(self.state.path),
                       error=e.strerror or type(e).__name__)
@@ -1096,6 +1093,7 @@ class Daemon:
         except OSError as e:
             self.emit("state.write_failed", level="warning", path=str(self.state.path),
                       error=e.strerror or type(e).__name__)
+        self.state.close()
         counts = self.state.counts()
         self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",
                   exit_code=int(self.exit_code), done=counts.get("done", 0),

@@ -3,14 +3,17 @@
 The filesystem is the truth (sidecars say which reports are up to date);
 this store is a cache of it plus what the filesystem cannot say: why a set
 failed and when to retry it, whether a step's optimizer already ran, what a
-run has spent. It lives in runs/.skilltrain/state.json, written atomically,
-and holds names, hashes, numbers and our own messages -- never file
-contents, so no human text.
+run has spent. The records live in memory, the daemon's working copy; each
+flush writes the ones that changed since the last to a SQLite database
+([paths] state, see state_db). It holds names, hashes, numbers and our own
+messages -- never file contents, so no human text.
 """
 from __future__ import annotations
 
 import enum
+import errno
 import json
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -19,11 +22,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain import atomic, leakguard
+from skilltrain import leakguard
 from skilltrain.layout import STATE_DIR
+from skilltrain.state_db import StateDB, move_aside, read_only
 
-STATE_FILE = "state.json"
-STATE_VERSION = 1
+# The state file of daemons before the database: migrated once, then renamed.
+LEGACY_FILE = "state.json"
+LEGACY_VERSION = 1
+DEFAULT_FILE = "state.sqlite3"
 
 
 class SetState(enum.StrEnum):
@@ -71,15 +77,18 @@ class RunSpend:
 
 
 class StateStore:
-    """Its methods take `lock`; `flush()` writes when something changed.
+    """Its methods take `lock`; `flush()` writes what changed.
 
     The records it hands out (`get`, `step`, `sets[...]`) are the live ones,
     not copies: a caller that changes one, or reads several fields that must
-    agree, holds `lock` while it does.
+    agree, holds `lock` while it does, and changes a step only through the
+    record `step()` hands out under that same hold (that marks it for the
+    next flush).
     """
 
-    def __init__(self, runs: Path) -> None:
-        self.path = runs / STATE_DIR / STATE_FILE
+    def __init__(self, runs: Path, path: Path | None = None) -> None:
+        self.runs = runs
+        self.path = path or runs / STATE_DIR / DEFAULT_FILE
         self.sets: dict[str, SetRecord] = {}
         self.steps: dict[str, StepRecord] = {}
         self.spend: dict[str, RunSpend] = {}
@@ -87,38 +96,87 @@ class StateStore:
         # what `skilltrain status` shows besides the sets (epoch_1, a linked run).
         self.notices: dict[str, dict[str, str]] = {}
         self.lock = threading.RLock()
-        self._dirty = False
+        # Keys changed since the last flush, per table; a key no longer in its
+        # dict is deleted. Only these rows are written.
+        self._dirty: dict[str, set[str]] = {"sets": set(), "steps": set(), "spend": set(),
+                                             "notices": set()}
+        self._write_lock = threading.Lock()  # one flush at a time, in order
+        self._db: StateDB | None = None
         self.daemon_pid: int | None = None
         self.heartbeat: float | None = None
 
-    def load(self, *, keep_bad_copy: bool = False) -> str | None:
-        """Read the last saved state; a missing file means start afresh.
+    @property
+    def legacy_path(self) -> Path:
+        return self.runs / STATE_DIR / LEGACY_FILE
 
-        A file that is not a state file (bad JSON, the wrong shape) is not
-        fatal either: the state is a cache of the filesystem and is rebuilt
-        from it. Returns why the file was not used, or None. `keep_bad_copy`
-        (the daemon; `status` writes nothing) keeps the bad file beside it.
+    # ------------------------------------------------------------- reading
+    def load(self) -> str | None:
+        """The daemon's start: open the database and read it, or migrate state.json.
+
+        Nothing here is fatal: the state is a cache of the filesystem and is
+        rebuilt from it. A database that cannot be read is moved aside (with
+        its -wal and -shm) and a new one started; a state.json of the wrong
+        shape is moved aside too. Returns why the old state was not used, or None.
         """
+        problem = None
+        fresh = not self.path.exists()
         try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as e:
-            return f"cannot read it ({getattr(e, 'strerror', None) or type(e).__name__})"
+            self._db = StateDB(self.path)
+            raw = self._db.read()
+        except (sqlite3.Error, ValueError) as e:
+            if self._db is not None:
+                self._db.close()
+            kept = move_aside(self.path)
+            problem = f"not a state database ({type(e).__name__}: {_short(e)})"
+            problem += f"; the bad file is kept as {kept}" if kept else ""
+            self._db = _fresh_db(self.path)
+            raw = {}
+        if fresh and self.legacy_path.exists():
+            return self._migrate() or problem
         try:
-            raw = json.loads(text)
-            if not isinstance(raw, dict):
-                raise TypeError("not a JSON object")
-            if raw.get("version") != STATE_VERSION:
-                return None  # another version's state: start afresh, quietly
             self._load_raw(raw)
         except (ValueError, TypeError, AttributeError) as e:
+            problem = f"not a state database ({type(e).__name__}: {_short(e)})"
+        return problem
+
+    def _migrate(self) -> str | None:
+        """state.json of an older daemon, written into the database once and renamed aside."""
+        problem = _read_legacy(self.legacy_path, self._load_raw)
+        if problem and problem.startswith("cannot read"):
+            return problem  # left where it is: maybe readable next time
+        suffix = ".bad-" + time.strftime("%Y%m%dT%H%M%S") if problem else ".migrated"
+        target = self.legacy_path.with_name(LEGACY_FILE + suffix)
+        kept: Path | None = target
+        try:
+            self.legacy_path.rename(target)
+        except OSError:
+            kept = None
+        if problem:
             with self.lock:
-                self.sets, self.steps, self.spend = {}, {}, {}
-            kept = self._keep_copy(text) if keep_bad_copy else None
-            reason = f"not a state file ({type(e).__name__}: {_short(e)})"
-            return f"{reason}; the bad file is kept as {kept}" if kept else reason
+                self.sets, self.steps, self.spend, self.notices = {}, {}, {}, {}
+            return f"{problem}; the bad file is kept as {kept}" if kept else problem
+        with self.lock:
+            for table, records in self._tables().items():
+                self._dirty[table].update(records)
         return None
+
+    @classmethod
+    def read_snapshot(cls, runs: Path, path: Path | None = None
+                      ) -> tuple[StateStore, str | None]:
+        """The state as `status` sees it, read-only and creating nothing."""
+        store = cls(runs, path)
+        try:
+            raw = read_only(store.path)
+        except (sqlite3.Error, ValueError) as e:
+            return store, f"not a state database ({type(e).__name__}: {_short(e)})"
+        if raw is None:  # no database yet: a daemon of before may have left state.json
+            return store, (_read_legacy(store.legacy_path, store._load_raw)
+                           if store.legacy_path.exists() else None)
+        try:
+            store._load_raw(raw)
+        except (ValueError, TypeError, AttributeError) as e:
+            return store, f"not a state database ({type(e).__name__}: {_short(e)})"
+        return store, None
 
     def _load_raw(self, raw: dict[str, Any]) -> None:
         sections = {name: raw.get(name, {}) for name in ("sets", "steps", "spend")}
@@ -150,14 +208,7 @@ class StateStore:
             self.daemon_pid = pid if isinstance(pid, int) else None
             self.heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else None
 
-    def _keep_copy(self, text: str) -> str | None:
-        copy = self.path.with_name(f"{STATE_FILE}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
-        try:
-            atomic.write_text(copy, text)
-        except OSError:
-            return None
-        return str(copy)
-
+    # ------------------------------------------------------------ changing
     def get(self, set_id: str) -> SetRecord | None:
         with self.lock:
             return self.sets.get(set_id)
@@ -176,13 +227,30 @@ class StateStore:
                     setattr(rec, name, value)
                 rec.updated_at = time.time()
                 self.sets[set_id] = rec
-                self._dirty = True
+                self._dirty["sets"].add(set_id)
             return rec
+
+    def forget(self, set_id: str) -> None:
+        """A set whose folder is gone."""
+        with self.lock:
+            if self.sets.pop(set_id, None) is not None:
+                self._dirty["sets"].add(set_id)
+
+    def forget_step(self, step_id: str) -> None:
+        """A step whose folder is gone: a run made again under its name starts afresh."""
+        with self.lock:
+            if self.steps.pop(step_id, None) is not None:
+                self._dirty["steps"].add(step_id)
 
     def step(self, step_id: str) -> StepRecord:
         with self.lock:
-            self._dirty = True  # callers mutate the record they get
+            self._dirty["steps"].add(step_id)  # callers mutate the record they get
             return self.steps.setdefault(step_id, StepRecord())
+
+    def put_step(self, step_id: str, rec: StepRecord) -> None:
+        with self.lock:
+            self.steps[step_id] = rec
+            self._dirty["steps"].add(step_id)
 
     def add_spend(self, run: str, tokens_in: int, tokens_out: int, tokens_cached: int,
                   cost_usd: float | None, tokens_cache_write: int = 0) -> RunSpend:
@@ -194,7 +262,7 @@ class StateStore:
             spend.tokens_cache_write += tokens_cache_write
             spend.cost_usd += cost_usd or 0.0
             spend.reports += 1
-            self._dirty = True
+            self._dirty["spend"].add(run)
             return spend
 
     def notice(self, path: str, event: str, reason: str) -> None:
@@ -202,46 +270,94 @@ class StateStore:
             entry = {"event": event, "reason": reason}
             if self.notices.get(path) != entry:
                 self.notices[path] = entry
-                self._dirty = True
+                self._dirty["notices"].add(path)
 
     def keep_notices(self, keep: Callable[[str], bool]) -> None:
         """Drop the notices of paths that no longer have a problem."""
         with self.lock:
-            kept = {path: n for path, n in self.notices.items() if keep(path)}
-            if kept != self.notices:
-                self.notices = kept
-                self._dirty = True
+            for path in [path for path in self.notices if not keep(path)]:
+                del self.notices[path]
+                self._dirty["notices"].add(path)
 
     def counts(self) -> Counter[str]:
         with self.lock:
             return Counter(rec.state.value for rec in self.sets.values())
 
-    def mark_dirty(self) -> None:
-        self._dirty = True
-
+    # ------------------------------------------------------------- writing
     def flush(self, *, force: bool = False, pid: int | None = None) -> bool:
-        with self.lock:
-            if not (self._dirty or force):
-                return False
-            payload = {
-                "version": STATE_VERSION,
-                "daemon_pid": pid,
-                "heartbeat": time.time(),
-                "sets": {k: _record_json(v) for k, v in sorted(self.sets.items())},
-                "steps": {k: asdict(v) for k, v in sorted(self.steps.items())},
-                "spend": {k: asdict(v) for k, v in sorted(self.spend.items())},
-                "notices": dict(sorted(self.notices.items())),
-            }
-            self._dirty = False
-        atomic.write_text(self.path, json.dumps(payload, separators=(",", ":")) + "\n")
-        return True
+        """Write the records changed since the last flush, in one transaction.
+
+        `force` writes the pid and heartbeat even with nothing changed. A
+        failed write keeps the changes for the next flush and raises OSError.
+        """
+        with self._write_lock:
+            with self.lock:
+                if not (force or any(self._dirty.values())):
+                    return False
+                dirty, self._dirty = self._dirty, {table: set() for table in self._dirty}
+                tables = self._tables()
+                changes = {table: {key: _as_json(tables[table].get(key)) for key in keys}
+                           for table, keys in dirty.items() if keys}
+            try:
+                if self._db is None:
+                    self._db = StateDB(self.path)
+                self._db.write(changes, {"daemon_pid": pid, "heartbeat": time.time()})
+            except (sqlite3.Error, OSError) as e:
+                with self.lock:
+                    for table, keys in dirty.items():
+                        self._dirty[table] |= keys
+                if isinstance(e, OSError):
+                    raise
+                raise OSError(errno.EIO, f"{self.path.name}: {_short(e)}") from None
+            return True
+
+    def close(self) -> None:
+        with self._write_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def _tables(self) -> dict[str, dict[str, Any]]:
+        return {"sets": self.sets, "steps": self.steps, "spend": self.spend,
+                "notices": self.notices}
+
+
+def _fresh_db(path: Path) -> StateDB | None:
+    """A new database where a bad one was; None (memory only) if even that fails,
+    so a broken state directory never keeps the daemon from starting."""
+    try:
+        return StateDB(path)
+    except (sqlite3.Error, OSError):
+        return None
+
+
+def _read_legacy(path: Path, load_raw: Callable[[dict[str, Any]], None]) -> str | None:
+    """A state.json of an older daemon into `load_raw`; why it could not be, or None."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read it ({getattr(e, 'strerror', None) or type(e).__name__})"
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        if raw.get("version") != LEGACY_VERSION:
+            return None  # another version's state: start afresh, quietly
+        load_raw(raw)
+    except (ValueError, TypeError, AttributeError) as e:
+        return f"not a state file ({type(e).__name__}: {_short(e)})"
+    return None
 
 
 def _short(error: BaseException) -> str:
     return " ".join(str(error).split())[:120]
 
 
-def _record_json(rec: SetRecord) -> dict[str, Any]:
+def _as_json(rec: Any) -> Any:
+    """A record as its row holds it; None (a deleted key) stays None."""
+    if rec is None or isinstance(rec, dict):
+        return rec
     data = asdict(rec)
-    data["state"] = rec.state.value
+    if isinstance(rec, SetRecord):
+        data["state"] = rec.state.value
     return data

@@ -1,7 +1,8 @@
-"""`skilltrain status`: every set and its state, from the daemon's state file.
+"""`skilltrain status`: every set and its state, from the daemon's state database.
 
-Reads runs/.skilltrain/state.json (the running daemon rewrites it within a
-second of any change) and asks the lock file whether a daemon is alive.
+Reads [paths] state read-only (the running daemon writes its changes there
+within a second; WAL lets both go on at once) and asks the lock file whether
+a daemon is alive.
 No scan, no litellm: it answers in a few tens of milliseconds.
 """
 from __future__ import annotations
@@ -20,10 +21,10 @@ from skilltrain.state import SetState, StateStore
 STATE_ORDER = [s.value for s in SetState]
 
 
-def collect(runs: Path) -> dict[str, Any]:
+def collect(runs: Path, state_path: Path | None = None) -> dict[str, Any]:
     """Everything status shows, as plain data (this is also the --json output)."""
-    store = StateStore(runs)
-    unreadable = store.load()  # status writes nothing: the daemon keeps the bad copy
+    # Read-only, creating nothing: a bad file is the daemon's to move aside.
+    store, unreadable = StateStore.read_snapshot(runs, state_path)
     pid = holder_pid(runs / layout.STATE_DIR)
     steps: dict[str, Counter[str]] = defaultdict(Counter)
     sets = []
@@ -77,7 +78,7 @@ def render(data: dict[str, Any], out: TextIO) -> None:
     who = f"daemon running (pid {daemon['pid']})" if daemon["running"] else "daemon not running"
     console.print(f"{data['runs_dir']}: {who}{age}")
     if daemon.get("state_unreadable"):
-        console.print(f"state.json not used: {daemon['state_unreadable']}")
+        console.print(f"state not used: {daemon['state_unreadable']}")
     if data["loop"]:
         run_record.render_status(data["loop"], console)
     if not data["steps"]:
@@ -138,7 +139,7 @@ def main(config_path: Path | None, as_json: bool, out: TextIO = sys.stdout) -> i
         print(f"skilltrain: {cfg.paths.runs} does not exist: no daemon has run with this "
               "configuration", file=sys.stderr)
         return 1
-    data = collect(cfg.paths.runs)
+    data = collect(cfg.paths.runs, cfg.paths.state)
     if as_json:
         json.dump(data, out, indent=2)
         out.write("\n")

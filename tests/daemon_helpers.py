@@ -171,7 +171,7 @@ class Workspace:
 
     @property
     def state_file(self) -> Path:
-        return self.runs / ".skilltrain" / "state.json"
+        return self.runs / ".skilltrain" / "state.sqlite3"
 
     def step_dir(self, run: str, epoch: int, step: int) -> Path:
         return self.runs / run / f"epoch_{epoch:02d}" / f"step_{step:02d}"
@@ -257,8 +257,11 @@ class Workspace:
         return read_events(self.log_file, name, **match)
 
     def state(self) -> dict[str, Any]:
-        data = json.loads(self.state_file.read_text(encoding="utf-8"))
-        assert isinstance(data, dict)
+        """The state database as the old state.json had it: read-only, like status."""
+        from skilltrain import state_db
+
+        data = state_db.read_only(self.state_file)
+        assert data is not None, f"no {self.state_file}"
         return data
 
 

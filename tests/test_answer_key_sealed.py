@@ -244,6 +244,7 @@ def test_state_reasons_are_checked_against_every_work(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "runs")
     store.update("r1/e0/s0/k/01-03", SetState.FAILED, reason=f"KeyError: {quote} (HTTP 400)")
     store.flush(force=True, pid=None)
-    saved = store.path.read_text(encoding="utf-8")
+    store.close()
+    saved = store.path.read_bytes().decode("utf-8", "replace")
     assert "KeyError: [verbatim answer-key passage removed]. (HTTP 400)" in saved
     assert not human_runs(saved)

@@ -339,7 +339,7 @@ def test_episode_outside_every_range_is_ignored(tree: TreeResult) -> None:
 def test_symlink_out_of_runs_is_not_followed(tree: TreeResult) -> None:
     assert all(SECRET not in body for body in tree.request_bodies)
     assert SECRET not in tree.ws.log_file.read_text(encoding="utf-8")
-    assert SECRET not in tree.ws.state_file.read_text(encoding="utf-8")
+    assert SECRET.encode() not in tree.ws.state_file.read_bytes()
 
 
 def test_episode_being_written_is_not_reported_as_unusable(
@@ -738,7 +738,7 @@ class DiskFullResult:
 def disk_full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DiskFullResult]:
     """runs/ on a full 200 KiB tmpfs when a report is due; space is freed after a failure.
 
-    The daemon runs with its main loop, which writes runs/.skilltrain/state.json
+    The daemon runs with its main loop, which writes runs/.skilltrain/state.sqlite3
     and must survive ENOSPC (state.write_failed) while the report is retried.
     """
     server = LLMServer().start()
@@ -772,7 +772,8 @@ def test_disk_full_while_writing_a_report_writes_nothing_then_succeeds(
     ws, s = disk_full.ws, disk_full.s
     assert disk_full.failed and all(e["level"] == "error" for e in disk_full.failed)
     # While the disk was full: no report, no sidecar, no archive, no temp file.
-    own = {".skilltrain/daemon.lock", ".skilltrain/state.json", "filler"}
+    own = {".skilltrain/daemon.lock", ".skilltrain/state.sqlite3", ".skilltrain/state.sqlite3-wal",
+           ".skilltrain/state.sqlite3-shm", "filler"}
     assert set(disk_full.written_while_full) <= own, disk_full.written_while_full
     # Afterwards: one complete, current report.
     sidecar = ws.read_sidecar(s)

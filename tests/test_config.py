@@ -399,3 +399,13 @@ def test_status_with_a_bad_environment_override_exits_2(tmp_path: Path) -> None:
     assert proc.stderr.count("\n") == 1
     assert "[llm] max_retries = 'many'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_state_follows_runs_unless_set_and_the_environment_wins(tmp_path: Path) -> None:
+    moved = config.load(write(tmp_path, '[paths]\nruns = "/srv/runs"\n'), environ={})
+    assert moved.paths.state == Path("/srv/runs/.skilltrain/state.sqlite3")
+    own = config.load(write(tmp_path, '[paths]\nstate = "db/s.sqlite3"\n'), environ={})
+    assert own.paths.state == tmp_path / "db" / "s.sqlite3"
+    unit = config.load(write(tmp_path, '[paths]\nstate = "db/s.sqlite3"\n'),
+                       environ={config.STATE_ENV: "/var/lib/skilltrain/state.sqlite3"})
+    assert unit.paths.state == Path("/var/lib/skilltrain/state.sqlite3")

@@ -93,7 +93,8 @@ def test_a_template_that_pastes_answer_key_text_writes_no_prompt_archive(
     assert "outside human_scripts" in refused["reason"]
     assert stays(lambda: written(ws, s) == [], 0.3)
     line = max(pasted.splitlines(), key=len)
-    assert not [p for p in ws.runs.rglob("*") if p.is_file() and line in p.read_text()]
+    # Bytes: the state database is binary.
+    assert not [p for p in ws.runs.rglob("*") if p.is_file() and line.encode() in p.read_bytes()]
 
 
 def test_startup_audit_reports_leaks_and_unreadable_files_and_caches_only_clean_ones(

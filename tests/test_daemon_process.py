@@ -95,7 +95,8 @@ def test_sigkill_during_a_job_then_restart_completes_the_set(
         )
         daemon.wait_event("loss.started", 5)
         wait_until(
-            lambda: ws.state_file.is_file() and ws.state()["sets"][s.id]["state"] == "running",
+            lambda: ws.state_file.is_file()
+            and ws.state()["sets"].get(s.id, {}).get("state") == "running",
             5,
             message="the state file to show the job running",
         )

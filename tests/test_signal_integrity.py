@@ -100,7 +100,8 @@ def test_an_episode_changed_during_the_call_discards_the_report(
         assert ws.events("step.reported") == [] and optimizer_runs(ws) == 0
         if change == "deleted":
             wait_until(
-                lambda: ws.state_file.is_file() and ws.state()["sets"][S.id]["state"] == "waiting",
+                lambda: ws.state_file.is_file()
+                and ws.state()["sets"].get(S.id, {}).get("state") == "waiting",
                 5,
                 message="the set waiting for its missing episode",
             )

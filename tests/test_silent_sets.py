@@ -255,7 +255,7 @@ def test_good_set_beside_them_is_reported(tree: Tree) -> None:
     assert sum("work=good " in body for body in tree.requests) == 2  # g1 and r1's good
 
 
-# ------------------------------------------------------------------ state.json
+# ------------------------------------------------------- state.json (before the database)
 
 
 @pytest.mark.parametrize(
@@ -268,11 +268,12 @@ def test_state_file_of_the_wrong_shape_is_kept_logged_once_and_rebuilt(
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, extra=NO_AUDIT)
     ws.write_step(R, 1, 1, success=True)
-    ws.state_file.parent.mkdir(parents=True)
-    ws.state_file.write_text(content, encoding="utf-8")
+    legacy = ws.runs / ".skilltrain" / "state.json"  # as a daemon before the database left it
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(content, encoding="utf-8")
     # status says so too, and writes nothing (no copy: that is the daemon's)
     assert "not a state file" in status.collect(ws.runs)["daemon"]["state_unreadable"]
-    assert list(ws.state_file.parent.iterdir()) == [ws.state_file]
+    assert list(legacy.parent.iterdir()) == [legacy]
 
     with litellm_warm_and_frozen():
         run_once_in_process(ws)
@@ -280,7 +281,7 @@ def test_state_file_of_the_wrong_shape_is_kept_logged_once_and_rebuilt(
 
     (line,) = ws.events("state.unreadable")
     assert line["level"] == "error" and "rebuilt from runs/" in line["reason"]
-    kept = list(ws.state_file.parent.glob("state.json.bad-*"))
+    kept = list(legacy.parent.glob("state.json.bad-*"))
     assert [p.read_text(encoding="utf-8") for p in kept] == [content]
     assert ws.state()["sets"][SetId(R, 1, 1, "alpha", 1, 3).id]["state"] == "done"
     assert len(ws.events("step.reported")) == 1

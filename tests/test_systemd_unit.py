@@ -217,7 +217,10 @@ def test_no_secrets_in_the_unit(tmp_path: Path) -> None:
     names = [line.partition("=")[0] for line in unit.splitlines() if "=" in line]
     assert not [n for n in names if re.search(r"(?i)key|secret|token|passw|credential", n)]
     # The only variables the unit itself sets: credentials come from the file.
-    assert setting(unit, "Environment") == ["LITELLM_LOCAL_MODEL_COST_MAP=True PYTHONUNBUFFERED=1"]
+    assert setting(unit, "Environment") == ["LITELLM_LOCAL_MODEL_COST_MAP=True PYTHONUNBUFFERED=1",
+                                            "SKILLTRAIN_STATE=%S/skilltrain/state.sqlite3"]
+    # ... the second puts the state database in the directory systemd makes for it.
+    assert setting(unit, "StateDirectory") == ["skilltrain"]
 
 
 # --- refusals ---------------------------------------------------------------------------------

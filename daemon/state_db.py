@@ -1,0 +1,159 @@
+"""Where the daemon's state lives: a SQLite database (stdlib sqlite3, WAL).
+
+One row per set, per step, per run's spend and per notice, each the JSON of
+its record; a `meta` table holds the daemon's pid and when it last wrote. A
+flush writes only the rows that changed, in one transaction, so its cost is
+the size of the change, not of the state. WAL lets `skilltrain status` read
+while the daemon writes, without either waiting for the other.
+
+Every reader and writer of the file is here; `state.StateStore` decides what
+to write, this module how.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+# Tables of keyed records, in the shape the old state.json had them.
+TABLES = ("sets", "steps", "spend", "notices")
+BUSY_TIMEOUT_S = 5.0
+
+# A change: table -> key -> the record as JSON-able data, or None to delete it.
+Changes = Mapping[str, Mapping[str, Any]]
+
+
+class StateDB:
+    """The daemon's read-write connection. Not thread-safe: the store serialises."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Created here, so its mode follows the umask like every file the
+        # daemon writes (SQLite's own default is 0644); -wal and -shm copy it.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o666))
+        self._conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                     check_same_thread=False)
+        try:
+            self._prepare()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _prepare(self) -> None:
+        conn = self._conn
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                raise sqlite3.DatabaseError("a SQLite database of something else")
+            conn.execute("PRAGMA journal_mode=WAL")
+            with _transaction(conn):
+                for table in (*TABLES, "meta"):
+                    conn.execute(f"CREATE TABLE {table} "
+                                 "(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        elif version != SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {version}, this daemon reads "
+                                        f"{SCHEMA_VERSION}")
+        else:
+            conn.execute("PRAGMA journal_mode=WAL")
+        # A cache of the filesystem: losing the last commits to a power cut is
+        # fine, a corrupt file is not (WAL with NORMAL gives exactly that).
+        conn.execute("PRAGMA synchronous=NORMAL")
+
+    def read(self) -> dict[str, Any]:
+        """Everything, in the old state.json shape (`state.StateStore` reads that)."""
+        return _read_all(self._conn)
+
+    def write(self, changes: Changes, meta: Mapping[str, Any]) -> None:
+        """The changed rows and the meta values, in one transaction."""
+        conn = self._conn
+        with _transaction(conn):
+            for table, rows in changes.items():
+                gone = [(_text(key),) for key, value in rows.items() if value is None]
+                kept = [(_text(key), json.dumps(value, separators=(",", ":")))
+                        for key, value in rows.items() if value is not None]
+                if gone:
+                    conn.executemany(f"DELETE FROM {table} WHERE key = ?", gone)
+                if kept:
+                    conn.executemany(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", kept)
+            conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                             [(key, json.dumps(value)) for key, value in meta.items()])
+
+    def close(self) -> None:
+        # The last connection to close checkpoints the WAL and removes it.
+        self._conn.close()
+
+
+def read_only(path: Path) -> dict[str, Any] | None:
+    """The state as a reader sees it (status); None when there is no database.
+
+    Creates nothing: with no -wal file (no daemon has it open) the file is
+    opened immutable; with one, read-only through the WAL the daemon keeps.
+    """
+    if not path.is_file():
+        return None
+    wal = path.with_name(path.name + "-wal")
+    for attempt in (1, 2):
+        mode = "ro" if wal.exists() else "ro&immutable=1"
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode={mode}", uri=True,
+                               timeout=BUSY_TIMEOUT_S)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"schema version {version}")
+            return _read_all(conn)
+        except sqlite3.DatabaseError:
+            if attempt == 2:
+                raise
+            # A daemon started or stopped between the look and the open: once more.
+        finally:
+            conn.close()
+    raise AssertionError("unreachable")
+
+
+def move_aside(path: Path) -> Path | None:
+    """A bad database (and its -wal and -shm) renamed beside it; None if it could not be."""
+    kept = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
+    try:
+        path.rename(kept)
+    except OSError:
+        return None
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(OSError):
+            path.with_name(path.name + suffix).rename(kept.with_name(kept.name + suffix))
+    return kept
+
+
+def _text(key: str) -> str:
+    """A key SQLite can store: a path with undecodable bytes (surrogate escapes,
+    a notice about a run folder's non-UTF-8 name) keeps them as \\udcNN."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _read_all(conn: sqlite3.Connection) -> dict[str, Any]:
+    raw: dict[str, Any] = {"version": SCHEMA_VERSION}
+    for table in TABLES:
+        raw[table] = {key: json.loads(value)
+                      for key, value in conn.execute(f"SELECT key, value FROM {table}")}
+    for key, value in conn.execute("SELECT key, value FROM meta"):
+        raw[key] = json.loads(value)
+    return raw
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Any:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if conn.in_transaction:  # SQLite rolls some errors back itself (a full disk)
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")

@@ -1,0 +1,193 @@
+"""The state database: status reads it while a daemon process writes it, a bad
+database is moved aside and rebuilt (once, not at every start), a state.json
+of the daemons before it is migrated, and only changed rows are written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from skilltrain import state_db, status
+from skilltrain.state import SetState, StateStore
+from tests.daemon_helpers import (
+    DaemonProcess,
+    SetId,
+    Workspace,
+    build_workspace,
+    run_cli,
+    run_once_in_process,
+    wait_until,
+)
+from tests.daemon_marks import DAEMON_TEST_MARKS
+from tests.llm_server import LLMServer
+
+pytestmark = DAEMON_TEST_MARKS
+
+# Written by the StateStore of before the database (daemon/state.py at d84ba8e):
+# two sets, a step reopened once, a run's spend, a notice.
+LEGACY = Path(__file__).with_name("legacy_state_v1.json")
+NO_AUDIT = "[integrity]\naudit_on_start = false\n"
+R = "r1"
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture
+def ws(tmp_path: Path, llm_server: LLMServer) -> Workspace:
+    return build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=0.2,
+                           extra=NO_AUDIT)
+
+
+def test_status_reads_the_database_while_the_daemon_process_writes_it(ws: Workspace) -> None:
+    done = ws.write_step(R, 1, 1, success=True)[0]
+    run_once_in_process(ws)
+    waiting = SetId(R, 1, 2, "alpha", 1, 3)
+
+    with DaemonProcess(ws) as daemon:
+        daemon.wait_event("daemon.started", 60, pid=daemon.pid)
+        scripts = ws.scripts(R, 1, 2, "alpha")
+        scripts.mkdir(parents=True)
+        (scripts / "ep01.txt").write_text("INT. DOCK - NIGHT\n", encoding="utf-8")
+
+        def status_shows_it() -> bool:
+            result, _ = run_cli("status", "--json", "--config", str(ws.config_path))
+            assert result.returncode == 0, result.stderr
+            data = json.loads(result.stdout)
+            sets = {row["set"]: row["state"] for row in data["sets"]}
+            assert data["daemon"]["state_unreadable"] is None
+            return (data["daemon"]["pid"] == daemon.pid and sets.get(done.id) == "done"
+                    and sets.get(waiting.id) == "waiting")
+
+        wait_until(status_shows_it, 30, message="status to show the daemon's new set")
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0
+
+    # Closed cleanly: no WAL left, and status on a stopped daemon creates nothing.
+    before = listing(ws.state_file.parent)
+    assert [n for n in before if n.startswith("state")] == ["state.sqlite3"]
+    result, _ = run_cli("status", "--config", str(ws.config_path))
+    assert result.returncode == 0 and "daemon not running" in result.stdout, result.stderr
+    assert listing(ws.state_file.parent) == before
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 40)
+
+
+def _truncated(path: Path) -> None:
+    store = StateStore(path.parent.parent, path)
+    for n in range(200):
+        store.update(f"r9/epoch_01/step_01/w{n:03d}/01-03", SetState.FAILED, reason="x" * 200)
+    store.flush(force=True)
+    store.close()
+    with open(path, "r+b") as f:
+        f.truncate(4096 * 3)
+
+
+def _foreign(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE recipes (name TEXT)")
+    conn.commit()
+    conn.close()
+
+
+def _future_schema(path: Path) -> None:
+    state_db.StateDB(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {state_db.SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("spoil", [_garbage, _truncated, _foreign, _future_schema],
+                         ids=["garbage", "truncated", "foreign", "future-schema"])
+def test_a_bad_database_is_moved_aside_logged_once_and_rebuilt(ws: Workspace, spoil: object
+                                                               ) -> None:
+    s = ws.write_step(R, 1, 1, success=True)[0]
+    ws.state_file.parent.mkdir(parents=True)
+    assert callable(spoil)
+    spoil(ws.state_file)
+    bad = ws.state_file.read_bytes()
+    # status says so, and leaves the file for the daemon to move
+    assert "not a state database" in status.collect(ws.runs)["daemon"]["state_unreadable"]
+    assert listing(ws.state_file.parent) == ["state.sqlite3"]
+
+    run_once_in_process(ws)
+
+    (line,) = ws.events("state.unreadable")
+    assert line["level"] == "error" and "rebuilt from runs/" in line["reason"]
+    (kept,) = ws.state_file.parent.glob("state.sqlite3.bad-*")
+    assert kept.read_bytes() == bad and kept.name in line["reason"]
+    assert ws.state()["sets"][s.id]["state"] == "done"
+
+    run_once_in_process(ws)  # the next start finds a good database: no second event
+    assert len(ws.events("state.unreadable")) == 1
+    assert status.collect(ws.runs)["daemon"]["state_unreadable"] is None
+
+
+def test_state_json_of_the_old_daemon_is_migrated_once(ws: Workspace) -> None:
+    legacy = ws.runs / ".skilltrain" / "state.json"
+    legacy.parent.mkdir(parents=True)
+    shutil.copy(LEGACY, legacy)
+    old = json.loads(LEGACY.read_text(encoding="utf-8"))
+    # Before the first start, status reads the old file.
+    assert status.collect(ws.runs)["spend"] == old["spend"]
+
+    run_once_in_process(ws)
+
+    assert ws.events("state.unreadable") == []
+    assert not legacy.exists() and legacy.with_name("state.json.migrated").is_file()
+    state = ws.state()
+    assert state["spend"] == old["spend"] and state["steps"] == old["steps"]
+    assert state["notices"] == old["notices"]
+    # The sets' folders are not in this tree: the scan forgot them, in the database too.
+    assert state["sets"] == {}
+
+    run_once_in_process(ws)  # migrated once: the next start leaves the renamed file alone
+    assert ws.state()["spend"] == old["spend"]
+    assert not legacy.exists()
+
+
+def test_a_flush_writes_only_the_changed_rows(tmp_path: Path) -> None:
+    path = tmp_path / "state.sqlite3"
+    store = StateStore(tmp_path, path)
+    ids = [f"r1/epoch_01/step_01/w{n:03d}/01-03" for n in range(50)]
+    for set_id in ids:
+        store.update(set_id, SetState.WAITING, reason="ep02.txt missing")
+    store.step("r1/epoch_01/step_01").reported_at = 1.0
+    assert store.flush()
+    assert not store.flush()  # nothing changed since
+
+    statements: list[str] = []
+    assert store._db is not None
+    store._db._conn.set_trace_callback(statements.append)
+    store.update(ids[7], SetState.DONE, reason=None)
+    store.forget(ids[8])
+    assert store.flush()
+    writes = [s for s in statements if s.startswith(("INSERT", "DELETE"))]
+    # One row deleted, one written, the two meta values: nothing of the other 48 sets.
+    assert [w for w in writes if " sets " in w] == [
+        f"DELETE FROM sets WHERE key = '{ids[8]}'",
+        f"INSERT OR REPLACE INTO sets VALUES ('{ids[7]}', "
+        f"'{json.dumps(_row(store, ids[7]), separators=(',', ':'))}')",
+    ]
+    assert len(writes) == 4 and all(" meta " in w for w in writes[2:])
+    store.close()
+    reread = state_db.read_only(path)
+    assert reread is not None and len(reread["sets"]) == 49
+    assert reread["sets"][ids[7]]["state"] == "done"
+    assert reread["steps"]["r1/epoch_01/step_01"]["reported_at"] == 1.0
+
+
+def _row(store: StateStore, set_id: str) -> dict[str, object]:
+    rec = store.get(set_id)
+    assert rec is not None
+    return {**rec.__dict__, "state": rec.state.value}
