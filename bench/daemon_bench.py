@@ -2,6 +2,7 @@
 the alternative measured in the same run, plus the daemon's peak memory.
 
     .venv/bin/python bench/daemon_bench.py throughput [--sets 50] [--shell-sets 10]
+    .venv/bin/python bench/daemon_bench.py perjob [--sets 1024] [--perjob-model M]
     .venv/bin/python bench/daemon_bench.py latency [--sets 100] [--polling-sets 20]
     .venv/bin/python bench/daemon_bench.py scale [--idle-seconds 60]
     .venv/bin/python bench/daemon_bench.py all
@@ -378,13 +379,15 @@ def wait_until(
 SETS_PER_STEP = 10  # 5 works x 2 ranges of 3 episodes (the example work has 6)
 
 
-def throughput_workspace(ws: Workspace, sets: int, server_url: str) -> list[dict[str, Any]]:
+def throughput_workspace(
+    ws: Workspace, sets: int, server_url: str, concurrency: int = 8
+) -> list[dict[str, Any]]:
     """`sets` finished sets (with _SUCCESS), 10 per step; returns their descriptions."""
     human, model = example_episodes("human"), example_episodes("model_draft")
     works = [f"w{i}" for i in range(SETS_PER_STEP // 2)]
     for name in works:
         ws.add_work(name, human)
-    ws.write_config(api_base=server_url, concurrency=8, settle_s=0)
+    ws.write_config(api_base=server_url, concurrency=concurrency, settle_s=0)
     todo = []
     for step in range(math.ceil(sets / SETS_PER_STEP)):
         for name in works:
@@ -462,6 +465,66 @@ def bench_throughput(sets: int, shell_sets: int, latency: tuple[float, float]) -
         Row("speed-up daemon vs shell loop", f"{ratio:.1f}x", ">= 20x", ratio >= 20),
         Row("daemon peak RSS (VmHWM)", f"{daemon.peak_rss_mb:.0f} MB"),
         Row("one `skilltrain loss` peak RSS", f"{shell_rss_mb:.0f} MB"),
+    ]
+
+
+PERJOB_LATENCY_S = 0.5
+PERJOB_CONCURRENCY = 128
+# A priced model with a known window, as in production, served by the
+# loopback. An unmapped one (the tests' openai/loopback-model) also costs
+# litellm a formatted traceback per reply when it fails to price it.
+PERJOB_MODEL = "openai/gpt-4o-mini"
+
+
+def bench_perjob(sets: int, model: str) -> list[Row]:
+    """CPU per loss job, and the wall time at concurrency 128 against a 0.5 s server.
+
+    The sets are on disk before the daemon starts. The latency limit is the
+    wall time of a daemon that costs nothing: ceil(jobs / 128) rounds of
+    0.5 s, from the server's first request to the last loss.completed. CPU is
+    the daemon's over the same span, per job.
+    """
+    latency = PERJOB_LATENCY_S
+    say(f"per job: {sets} sets, concurrency {PERJOB_CONCURRENCY}, loopback {latency} s, "
+        f"model {model}, load {loadavg()}")
+    server = LLMServer(latency=(latency, latency)).start()
+    try:
+        with workspace("perjob") as ws:
+            todo = throughput_workspace(ws, sets, server.url, concurrency=PERJOB_CONCURRENCY)
+            # No start-up audit: it reads every report as it is written, a
+            # one-off cost of a start, not of a job.
+            ws.write_config(api_base=server.url, concurrency=PERJOB_CONCURRENCY, settle_s=0,
+                            audit=False)
+            text = ws.config.read_text(encoding="utf-8")
+            ws.config.write_text(text.replace(f'"{MODEL}"', f'"{model}"'), encoding="utf-8")
+            total = len(todo)
+            daemon = DaemonProc(ws).start()
+            try:
+                daemon.wait_event("daemon.ready", timeout_s=120)
+                wait_until(lambda: server.request_count > 0, 60, "the first request")
+                cpu0 = daemon.cpu_seconds()
+                first = server.requests[0].wall
+                wait_until(lambda: len(daemon.find("loss.completed")) >= total, 300,
+                           "every loss.completed", poll_s=0.02)
+                cpu1 = daemon.cpu_seconds()
+                last = max(event_time(e) for e in daemon.find("loss.completed"))
+            finally:
+                daemon.stop()
+    finally:
+        server.stop()
+    wall = last - first
+    rounds = math.ceil(total / PERJOB_CONCURRENCY)
+    limit = rounds * latency
+    cpu_ms = (cpu1 - cpu0) * 1000 / total
+    ratio = wall / limit
+    return [
+        Row(f"CPU per loss job ({total} jobs, {model})", f"{cpu_ms:.1f} ms", "< 8 ms",
+            cpu_ms < 8),
+        Row(f"wall, first request -> last loss.completed (concurrency {PERJOB_CONCURRENCY})",
+            f"{wall:.2f} s"),
+        Row(f"latency limit: {rounds} rounds of {latency} s", f"{limit:.2f} s"),
+        Row("wall / latency limit", f"{ratio:.2f}x", "<= 1.15x", ratio <= 1.15),
+        Row("daemon peak RSS (VmHWM)", f"{daemon.peak_rss_mb:.0f} MB"),
     ]
 
 
@@ -892,7 +955,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("which", choices=("throughput", "latency", "scale", "all"))
+    parser.add_argument(
+        "which", choices=("throughput", "perjob", "latency", "scale", "all")
+    )
     g = parser.add_argument_group("throughput")
     g.add_argument(
         "--sets",
@@ -913,6 +978,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=(0.45, 0.55),
         metavar=("MIN", "MAX"),
         help="loopback reply latency (default 0.45 0.55)",
+    )
+    g.add_argument(
+        "--perjob-model",
+        default=PERJOB_MODEL,
+        help=f"model id the per-job run asks the loopback for (default {PERJOB_MODEL})",
     )
     g = parser.add_argument_group("latency")
     g.add_argument("--polling-sets", type=int, default=20)
@@ -965,6 +1035,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench_throughput(args.sets or 50, args.shell_sets, tuple(args.server_latency))
             results.append(("throughput", rows))
             print_table("throughput", rows)
+        if args.which in ("perjob", "all"):
+            rows = bench_perjob(args.sets or 1024, args.perjob_model)
+            results.append(("per job", rows))
+            print_table("per job", rows)
         if args.which in ("latency", "all"):
             rows = bench_latency(args.sets or 100, args.polling_sets, args.pause)
             results.append(("pickup latency", rows))
