@@ -744,6 +744,7 @@ class ScaleOptions:
     audit: bool = False  # the daemon's leak audit of runs/ at start (minutes on this tree)
     base_dir: Path | None = None  # where the tree goes; None: /dev/shm when there is one
     quiet_limit_s: float = 20
+    tree: Path | None = None  # keep the tree here and reuse it on the next run
 
 
 @dataclass
@@ -847,6 +848,31 @@ def scale_base_dir(opts: ScaleOptions) -> Path | None:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+TREE_DONE = "tree-complete"  # in a kept tree's folder: generation finished
+
+
+@contextlib.contextmanager
+def scale_workspace(opts: ScaleOptions, base: Path | None) -> Iterator[Workspace]:
+    """A temporary workspace, or the kept one (`--tree DIR`): built once, reused after."""
+    if opts.tree is None:
+        with workspace("scale", base) as ws:
+            yield ws
+        return
+    opts.tree.mkdir(parents=True, exist_ok=True)
+    yield Workspace(opts.tree)
+
+
+def _forget_probe(ws: Workspace, shape: ScaleShape) -> None:
+    """A kept tree: the last run's probe set and its state go, the reported history stays."""
+    shutil.rmtree(scripts_dir(ws.runs, "r00", 0, shape.steps, "w00").parent.parent,
+                  ignore_errors=True)
+    shutil.rmtree(ws.runs / "r00" / "loss" / "epoch_00" / f"step_{shape.steps:02d}",
+                  ignore_errors=True)
+    state = ws.runs / ".skilltrain"
+    for name in ("state.json", "state.sqlite3"):
+        (state / name).unlink(missing_ok=True)
+
+
 def bench_scale(opts: ScaleOptions) -> list[Row]:
     shape = opts.shape
     base = scale_base_dir(opts)
@@ -856,12 +882,20 @@ def bench_scale(opts: ScaleOptions) -> list[Row]:
     )
     server = LLMServer().start()
     try:
-        with workspace("scale", base) as ws:
+        with scale_workspace(opts, base) as ws:
             ws.write_config(api_base=server.url, settle_s=60, resync_s=300, audit=opts.audit)
             t0 = time.monotonic()
-            made = generate_scale_tree(ws, shape)
+            done = ws.root / TREE_DONE
+            if done.exists():
+                say(f"reusing the tree in {ws.root} ({done.read_text().strip()})")
+                ws.log_file.unlink(missing_ok=True)
+                _forget_probe(ws, shape)
+            else:
+                made = generate_scale_tree(ws, shape)
+                done.write_text(f"{made['files']:,} files in {made['dirs']:,} folders\n")
+                say(f"generated {made['files']:,} files in {made['dirs']:,} folders in "
+                    f"{time.monotonic() - t0:.1f} s")
             gen_s = time.monotonic() - t0
-            say(f"generated {made['files']:,} files in {made['dirs']:,} folders in {gen_s:.1f} s")
             find_s, found = time_find(ws.runs)
             say(f"find: {found:,} episode files in {find_s * 1000:.0f} ms")
             cold = scale_start(ws, opts)
@@ -1013,6 +1047,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="wait at most S seconds for start-up work before the idle window",
     )
+    g.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="build the scale tree in DIR once and reuse it on later runs (kept)",
+    )
     g.add_argument("--runs", type=int, default=10)
     g.add_argument("--epochs", type=int, default=10)
     g.add_argument("--steps", type=int, default=20)
@@ -1048,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.runs, args.epochs, args.steps, args.works, episode_bytes=args.episode_bytes
             )
             opts = ScaleOptions(
-                shape, args.idle_seconds, args.audit, args.scale_dir, args.quiet_limit
+                shape, args.idle_seconds, args.audit, args.scale_dir, args.quiet_limit, args.tree
             )
             rows = bench_scale(opts)
             results.append(("scale", rows))
