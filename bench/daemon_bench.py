@@ -878,7 +878,7 @@ def bench_scale(opts: ScaleOptions) -> list[Row]:
     base = scale_base_dir(opts)
     say(
         f"scale: {shape.sets:,} sets, {shape.sets * shape.episodes:,} episode files "
-        f"under {base or tempfile.gettempdir()}, load {loadavg()}"
+        f"under {opts.tree or base or tempfile.gettempdir()}, load {loadavg()}"
     )
     server = LLMServer().start()
     try:
