@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from tests.daemon_helpers import (
-    THIRD_PARTY_WARNINGS,
     InProcessDaemon,
     SetId,
     Workspace,
@@ -31,6 +30,7 @@ from tests.daemon_helpers import (
     wait_until,
     write_cp,
 )
+from tests.daemon_marks import THIRD_PARTY_WARNINGS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
 pytestmark = THIRD_PARTY_WARNINGS
