@@ -168,16 +168,16 @@ class Watcher:
                 continue  # the daemon's own state and log
             plan.add((run, False))
             plan.update((e, False) for e in _subfolders(run) if e.name.startswith("epoch_"))
-        plan.update((step, True) for step in self._open_steps if step.is_dir())
+        plan.update((step, True) for step in list(self._open_steps) if step.is_dir())
         return plan
 
     def _apply(self, observer: BaseObserver) -> None:
         plan = self._plan()
         # New watches first: a folder moving from one kind to the other is never unwatched.
-        for folder, recursive in sorted(plan - self._scheduled.keys()):
+        for folder, recursive in sorted(plan - set(self._scheduled)):
             if not self._schedule(observer, folder, recursive):
                 return  # fell back to polling: nothing left to plan
-        for key in [k for k in self._scheduled if k not in plan and k[0] != self.runs]:
+        for key in [k for k in list(self._scheduled) if k not in plan and k[0] != self.runs]:
             watch = self._scheduled.pop(key)
             try:
                 observer.unschedule(watch)
@@ -206,14 +206,20 @@ class Watcher:
             return
         if not 1 <= depth <= 3 or folder.name.startswith("."):
             return
-        with self._swap:
-            observer = self._observer
-            if (observer is None or self.kind != "native"
-                    or (folder, True) in self._scheduled or not folder.is_dir()):
-                return
-            if depth == 3:
-                self._open_steps.add(folder)
-            self._schedule(observer, folder, True)
+        # Not under self._swap: this runs in watchdog's dispatch thread, which
+        # holds the observer's lock, and a swap or _apply holds _swap while it
+        # waits for that lock. A refused watch is left to the coverage check.
+        observer = self._observer
+        if (observer is None or self.kind != "native"
+                or (folder, True) in self._scheduled or not folder.is_dir()):
+            return
+        if depth == 3:
+            self._open_steps.add(folder)
+        try:
+            self._scheduled[(folder, True)] = observer.schedule(
+                self._handler, str(folder), recursive=True, event_filter=EVENT_FILTER)
+        except OSError:
+            return  # gone again, or out of watches: the next scan's coverage check
 
     def _fallback(self, reason: str) -> None:
         with self._swap:
