@@ -30,10 +30,10 @@ from tests.daemon_helpers import (
     wait_until,
     write_cp,
 )
-from tests.daemon_marks import THIRD_PARTY_WARNINGS
+from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
-pytestmark = THIRD_PARTY_WARNINGS
+pytestmark = DAEMON_TEST_MARKS
 
 Start = Callable[..., InProcessDaemon]
 
@@ -57,14 +57,14 @@ def written(ws: Workspace, s: SetId) -> list[str]:
 
 @pytest.mark.parametrize("on_leak", ["redact", "refuse"])
 def test_a_report_quoting_the_answer_key_is_redacted_or_refused_as_configured(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start, on_leak: str
+    tmp_path: Path, llm_server: LLMServer, start: Start, on_leak: str
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3},
                          extra=f'\n[integrity]\non_leak = "{on_leak}"\n')
     quote = human_passage(ws)
     llm_server.default = lambda request: Reply.ok(f"{DEFAULT_REPORT}\n\nThe human wrote:\n{quote}")
     (s,) = ws.write_step("r1", 1, 1, success=True)
-    start_daemon(ws)
+    start(ws)
     if on_leak == "refuse":
         (refused,) = wait_until(lambda: ws.events("loss.refused"), 20, message="loss.refused")
         assert "quotes the human screenplay verbatim" in refused["reason"]
@@ -80,7 +80,7 @@ def test_a_report_quoting_the_answer_key_is_redacted_or_refused_as_configured(
 
 
 def test_a_template_that_pastes_answer_key_text_writes_no_prompt_archive(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
     template = ws.root / "prompts" / "loss.md.j2"
@@ -88,7 +88,7 @@ def test_a_template_that_pastes_answer_key_text_writes_no_prompt_archive(
     pasted = human_passage(ws)
     template.write_text(template.read_text() + "\nFor example:\n" + pasted + "\n")
     (s,) = ws.write_step("r1", 1, 1, success=True)
-    start_daemon(ws)
+    start(ws)
     (refused,) = wait_until(lambda: ws.events("loss.refused"), 20, message="loss.refused")
     assert "outside human_scripts" in refused["reason"]
     assert stays(lambda: written(ws, s) == [], 0.3)
@@ -97,7 +97,7 @@ def test_a_template_that_pastes_answer_key_text_writes_no_prompt_archive(
 
 
 def test_startup_audit_reports_leaks_and_unreadable_files_and_caches_only_clean_ones(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3})
     notes = ws.runs / "r1" / "notes"
@@ -112,10 +112,10 @@ def test_startup_audit_reports_leaks_and_unreadable_files_and_caches_only_clean_
                             ws.events("audit.completed"), 20, message=f"audit {n}")
         return events[n - 1]
 
-    d = start_daemon(ws)
+    d = start(ws)
     first = audit_of(1)
     d.stop()
-    start_daemon(ws)
+    start(ws)
     second = audit_of(2)
 
     leak_lines = [e for e in ws.events("audit.leak") if e["file"].endswith("leak.txt")]
@@ -143,7 +143,7 @@ def arrivals(server: LLMServer, s: SetId) -> list[float]:
 
 
 def test_a_change_with_an_old_mtime_restarts_the_settle_wait_from_when_it_was_seen(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     settle = 1.0
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=settle)
@@ -151,7 +151,7 @@ def test_a_change_with_an_old_mtime_restarts_the_settle_wait_from_when_it_was_se
     scripts = ws.scripts("r1", 1, 1, "alpha")
     for ep in (1, 2):
         write_old(scripts / f"ep{ep:02d}.txt", model_episode("r1", 1, 1, "alpha", ep))
-    d = start_daemon(ws)
+    d = start(ws)
     (scripts / "ep03.txt").write_text(model_episode("r1", 1, 1, "alpha", 3))
     wait_until(lambda: (rec := d.daemon.state.get(s.id)) and rec.state == "settling", 5,
                message="the set settling")
@@ -183,7 +183,7 @@ class HoldFirst:
 
 
 def test_a_set_changed_while_its_job_was_queued_settles_again_before_it_runs(
-    tmp_path: Path, llm_server: LLMServer, start_daemon: Start
+    tmp_path: Path, llm_server: LLMServer, start: Start
 ) -> None:
     settle = 1.0
     hold = HoldFirst()
@@ -194,7 +194,7 @@ def test_a_set_changed_while_its_job_was_queued_settles_again_before_it_runs(
     scripts = ws.scripts("r1", 1, 1, "alpha")
     for ep in range(1, 7):
         write_old(scripts / f"ep{ep:02d}.txt", model_episode("r1", 1, 1, "alpha", ep))
-    start_daemon(ws)  # both sets are ready at once: one runs, the other is queued behind it
+    start(ws)  # both sets are ready at once: one runs, the other is queued behind it
     assert hold.arrived.wait(20), "no request"
     queued = next(s for s in sets if s != hold.first)
     changed = time.monotonic()

@@ -121,12 +121,12 @@ def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
     looks: list[str] = []
     real_observe = service.observe
 
-    def observe(key: layout.SetKey, runs: Path) -> Any:
+    def observe(key: layout.SetKey, runs: Path, *rest: Any) -> Any:
         looks.append(key.id)
         if key.id == slow.id and not release.is_set():
             hung.set()
             release.wait(10)  # the NFS server stopped answering
-        return real_observe(key, runs)
+        return real_observe(key, runs, *rest)
 
     monkeypatch.setattr(service, "observe", observe)
     stuck = threading.Thread(target=d.daemon.evaluate, args=[keys[slow.id]])
