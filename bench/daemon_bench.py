@@ -2,6 +2,7 @@
 the alternative measured in the same run, plus the daemon's peak memory.
 
     .venv/bin/python bench/daemon_bench.py throughput [--sets 50] [--shell-sets 10]
+    .venv/bin/python bench/daemon_bench.py perjob [--sets 1024] [--perjob-model M]
     .venv/bin/python bench/daemon_bench.py latency [--sets 100] [--polling-sets 20]
     .venv/bin/python bench/daemon_bench.py scale [--idle-seconds 60]
     .venv/bin/python bench/daemon_bench.py all
@@ -378,13 +379,15 @@ def wait_until(
 SETS_PER_STEP = 10  # 5 works x 2 ranges of 3 episodes (the example work has 6)
 
 
-def throughput_workspace(ws: Workspace, sets: int, server_url: str) -> list[dict[str, Any]]:
+def throughput_workspace(
+    ws: Workspace, sets: int, server_url: str, concurrency: int = 8
+) -> list[dict[str, Any]]:
     """`sets` finished sets (with _SUCCESS), 10 per step; returns their descriptions."""
     human, model = example_episodes("human"), example_episodes("model_draft")
     works = [f"w{i}" for i in range(SETS_PER_STEP // 2)]
     for name in works:
         ws.add_work(name, human)
-    ws.write_config(api_base=server_url, concurrency=8, settle_s=0)
+    ws.write_config(api_base=server_url, concurrency=concurrency, settle_s=0)
     todo = []
     for step in range(math.ceil(sets / SETS_PER_STEP)):
         for name in works:
@@ -462,6 +465,66 @@ def bench_throughput(sets: int, shell_sets: int, latency: tuple[float, float]) -
         Row("speed-up daemon vs shell loop", f"{ratio:.1f}x", ">= 20x", ratio >= 20),
         Row("daemon peak RSS (VmHWM)", f"{daemon.peak_rss_mb:.0f} MB"),
         Row("one `skilltrain loss` peak RSS", f"{shell_rss_mb:.0f} MB"),
+    ]
+
+
+PERJOB_LATENCY_S = 0.5
+PERJOB_CONCURRENCY = 128
+# A priced model with a known window, as in production, served by the
+# loopback. An unmapped one (the tests' openai/loopback-model) also costs
+# litellm a formatted traceback per reply when it fails to price it.
+PERJOB_MODEL = "openai/gpt-4o-mini"
+
+
+def bench_perjob(sets: int, model: str) -> list[Row]:
+    """CPU per loss job, and the wall time at concurrency 128 against a 0.5 s server.
+
+    The sets are on disk before the daemon starts. The latency limit is the
+    wall time of a daemon that costs nothing: ceil(jobs / 128) rounds of
+    0.5 s, from the server's first request to the last loss.completed. CPU is
+    the daemon's over the same span, per job.
+    """
+    latency = PERJOB_LATENCY_S
+    say(f"per job: {sets} sets, concurrency {PERJOB_CONCURRENCY}, loopback {latency} s, "
+        f"model {model}, load {loadavg()}")
+    server = LLMServer(latency=(latency, latency)).start()
+    try:
+        with workspace("perjob") as ws:
+            todo = throughput_workspace(ws, sets, server.url, concurrency=PERJOB_CONCURRENCY)
+            # No start-up audit: it reads every report as it is written, a
+            # one-off cost of a start, not of a job.
+            ws.write_config(api_base=server.url, concurrency=PERJOB_CONCURRENCY, settle_s=0,
+                            audit=False)
+            text = ws.config.read_text(encoding="utf-8")
+            ws.config.write_text(text.replace(f'"{MODEL}"', f'"{model}"'), encoding="utf-8")
+            total = len(todo)
+            daemon = DaemonProc(ws).start()
+            try:
+                daemon.wait_event("daemon.ready", timeout_s=120)
+                wait_until(lambda: server.request_count > 0, 60, "the first request")
+                cpu0 = daemon.cpu_seconds()
+                first = server.requests[0].wall
+                wait_until(lambda: len(daemon.find("loss.completed")) >= total, 300,
+                           "every loss.completed", poll_s=0.02)
+                cpu1 = daemon.cpu_seconds()
+                last = max(event_time(e) for e in daemon.find("loss.completed"))
+            finally:
+                daemon.stop()
+    finally:
+        server.stop()
+    wall = last - first
+    rounds = math.ceil(total / PERJOB_CONCURRENCY)
+    limit = rounds * latency
+    cpu_ms = (cpu1 - cpu0) * 1000 / total
+    ratio = wall / limit
+    return [
+        Row(f"CPU per loss job ({total} jobs, {model})", f"{cpu_ms:.1f} ms", "< 8 ms",
+            cpu_ms < 8),
+        Row(f"wall, first request -> last loss.completed (concurrency {PERJOB_CONCURRENCY})",
+            f"{wall:.2f} s"),
+        Row(f"latency limit: {rounds} rounds of {latency} s", f"{limit:.2f} s"),
+        Row("wall / latency limit", f"{ratio:.2f}x", "<= 1.15x", ratio <= 1.15),
+        Row("daemon peak RSS (VmHWM)", f"{daemon.peak_rss_mb:.0f} MB"),
     ]
 
 
@@ -681,6 +744,7 @@ class ScaleOptions:
     audit: bool = False  # the daemon's leak audit of runs/ at start (minutes on this tree)
     base_dir: Path | None = None  # where the tree goes; None: /dev/shm when there is one
     quiet_limit_s: float = 20
+    tree: Path | None = None  # keep the tree here and reuse it on the next run
 
 
 @dataclass
@@ -784,21 +848,54 @@ def scale_base_dir(opts: ScaleOptions) -> Path | None:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+TREE_DONE = "tree-complete"  # in a kept tree's folder: generation finished
+
+
+@contextlib.contextmanager
+def scale_workspace(opts: ScaleOptions, base: Path | None) -> Iterator[Workspace]:
+    """A temporary workspace, or the kept one (`--tree DIR`): built once, reused after."""
+    if opts.tree is None:
+        with workspace("scale", base) as ws:
+            yield ws
+        return
+    opts.tree.mkdir(parents=True, exist_ok=True)
+    yield Workspace(opts.tree)
+
+
+def _forget_probe(ws: Workspace, shape: ScaleShape) -> None:
+    """A kept tree: the last run's probe set and its state go, the reported history stays."""
+    shutil.rmtree(scripts_dir(ws.runs, "r00", 0, shape.steps, "w00").parent.parent,
+                  ignore_errors=True)
+    shutil.rmtree(ws.runs / "r00" / "loss" / "epoch_00" / f"step_{shape.steps:02d}",
+                  ignore_errors=True)
+    state = ws.runs / ".skilltrain"
+    for name in ("state.json", "state.sqlite3"):
+        (state / name).unlink(missing_ok=True)
+
+
 def bench_scale(opts: ScaleOptions) -> list[Row]:
     shape = opts.shape
     base = scale_base_dir(opts)
     say(
         f"scale: {shape.sets:,} sets, {shape.sets * shape.episodes:,} episode files "
-        f"under {base or tempfile.gettempdir()}, load {loadavg()}"
+        f"under {opts.tree or base or tempfile.gettempdir()}, load {loadavg()}"
     )
     server = LLMServer().start()
     try:
-        with workspace("scale", base) as ws:
+        with scale_workspace(opts, base) as ws:
             ws.write_config(api_base=server.url, settle_s=60, resync_s=300, audit=opts.audit)
             t0 = time.monotonic()
-            made = generate_scale_tree(ws, shape)
+            done = ws.root / TREE_DONE
+            if done.exists():
+                say(f"reusing the tree in {ws.root} ({done.read_text().strip()})")
+                ws.log_file.unlink(missing_ok=True)
+                _forget_probe(ws, shape)
+            else:
+                made = generate_scale_tree(ws, shape)
+                done.write_text(f"{made['files']:,} files in {made['dirs']:,} folders\n")
+                say(f"generated {made['files']:,} files in {made['dirs']:,} folders in "
+                    f"{time.monotonic() - t0:.1f} s")
             gen_s = time.monotonic() - t0
-            say(f"generated {made['files']:,} files in {made['dirs']:,} folders in {gen_s:.1f} s")
             find_s, found = time_find(ws.runs)
             say(f"find: {found:,} episode files in {find_s * 1000:.0f} ms")
             cold = scale_start(ws, opts)
@@ -892,7 +989,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("which", choices=("throughput", "latency", "scale", "all"))
+    parser.add_argument(
+        "which", choices=("throughput", "perjob", "latency", "scale", "all")
+    )
     g = parser.add_argument_group("throughput")
     g.add_argument(
         "--sets",
@@ -913,6 +1012,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=(0.45, 0.55),
         metavar=("MIN", "MAX"),
         help="loopback reply latency (default 0.45 0.55)",
+    )
+    g.add_argument(
+        "--perjob-model",
+        default=PERJOB_MODEL,
+        help=f"model id the per-job run asks the loopback for (default {PERJOB_MODEL})",
     )
     g = parser.add_argument_group("latency")
     g.add_argument("--polling-sets", type=int, default=20)
@@ -943,6 +1047,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="wait at most S seconds for start-up work before the idle window",
     )
+    g.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="build the scale tree in DIR once and reuse it on later runs (kept)",
+    )
     g.add_argument("--runs", type=int, default=10)
     g.add_argument("--epochs", type=int, default=10)
     g.add_argument("--steps", type=int, default=20)
@@ -965,6 +1076,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = bench_throughput(args.sets or 50, args.shell_sets, tuple(args.server_latency))
             results.append(("throughput", rows))
             print_table("throughput", rows)
+        if args.which in ("perjob", "all"):
+            rows = bench_perjob(args.sets or 1024, args.perjob_model)
+            results.append(("per job", rows))
+            print_table("per job", rows)
         if args.which in ("latency", "all"):
             rows = bench_latency(args.sets or 100, args.polling_sets, args.pause)
             results.append(("pickup latency", rows))
@@ -974,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.runs, args.epochs, args.steps, args.works, episode_bytes=args.episode_bytes
             )
             opts = ScaleOptions(
-                shape, args.idle_seconds, args.audit, args.scale_dir, args.quiet_limit
+                shape, args.idle_seconds, args.audit, args.scale_dir, args.quiet_limit, args.tree
             )
             rows = bench_scale(opts)
             results.append(("scale", rows))

@@ -33,6 +33,7 @@ def write_all(files: dict[Path, str]) -> None:
     seen and the set is redone.
     """
     temps: list[tuple[str, Path]] = []
+    mode = 0o666 & ~_umask()  # mkstemp makes 0600; the umask decides
     try:
         for path, text in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,7 @@ def write_all(files: dict[Path, str]) -> None:
                 f.write(text.encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the umask decides
+            os.chmod(tmp, mode)
     except BaseException:
         for tmp, _ in temps:
             with contextlib.suppress(FileNotFoundError):

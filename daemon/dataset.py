@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -192,6 +193,11 @@ def _size(path: Path) -> int:
         return 0  # read_episode will say what is wrong with it
 
 
+# human/ folder -> ((inode, mtime_ns), episode numbers) of its last listing.
+RACY_MTIME_NS = 2_000_000_000
+_human_listing: dict[Path, tuple[tuple[int, int], tuple[int, ...]]] = {}
+
+
 @dataclass(frozen=True)
 class Work:
     """One work: its answer key under human/ and optional work.toml."""
@@ -207,10 +213,26 @@ class Work:
 
     def human_episodes(self) -> list[int]:
         """Episode numbers present in human/, sorted."""
-        if not self.human_dir.is_dir():
+        try:
+            st = os.stat(self.human_dir)
+        except OSError:
             return []
+        if not stat.S_ISDIR(st.st_mode):
+            return []
+        # Asked after every job (is the step complete?): the folder is listed
+        # again only when its mtime says a name was added, removed or renamed.
+        seen = (st.st_ino, st.st_mtime_ns)
+        cached = _human_listing.get(self.human_dir)
+        if cached is not None and cached[0] == seen:
+            return list(cached[1])
         numbers = (episode_number(entry.name) for entry in os.scandir(self.human_dir))
-        return sorted(n for n in numbers if n is not None)
+        found = sorted(n for n in numbers if n is not None)
+        if time.time_ns() - st.st_mtime_ns > RACY_MTIME_NS:
+            # A folder changed a moment ago may change again within the
+            # clock's tick without its mtime moving: not cached yet (as git
+            # treats "racily clean" files).
+            _human_listing[self.human_dir] = (seen, tuple(found))
+        return found
 
     def ranges(self, episodes_per_report: int) -> list[tuple[int, int]]:
         """work.toml's ranges, else the human episodes in chunks (last may be shorter)."""

@@ -62,7 +62,7 @@ import operator
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from skilltrain import textnorm
@@ -430,16 +430,20 @@ def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "",
     """
     if views is None:
         views = textnorm.readings(text)
-    return _find(text, views, index, _Allowed.of(allow_text, index))
+    return _find(text, views, index, lambda: _Allowed.of(allow_text, index))
 
 
 def _find(text: str, views: Sequence[Reading], index: HumanIndex,
-          allowed: _Allowed) -> list[Leak]:
+          allow: Callable[[], _Allowed]) -> list[Leak]:
+    """`allow` builds the allowed shingles; called only on a hit (the model's
+    episodes are the bulk of a prompt, and most texts hit nothing)."""
     spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
+    allowed: _Allowed | None = None
     for k, view in enumerate(views):
         hashes = shingle_hashes(view.tokens, index.n)
         if index.episode_of.keys().isdisjoint(hashes):
             continue  # the common case: no offsets needed
+        allowed = allowed or allow()
         found = _token_spans(view.tokens, hashes, index, allowed)
         if not found:
             continue
@@ -555,7 +559,7 @@ class AnswerKeys:
         found: list[Leak] = []
         for index in self.indexes:
             if any(index.may_match(v.tokens) for v in views):
-                found += _find(text, views, index, _Allowed())
+                found += _find(text, views, index, _Allowed)
         return sorted(found, key=lambda k: k.start)
 
     def clean(self, text: str, marker: str = REDACTION_MARKER) -> str:

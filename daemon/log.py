@@ -332,6 +332,26 @@ def _console_formatter() -> logging.Formatter:
     )
 
 
+class _RenderOnce(logging.Formatter):
+    """One formatter for both sinks when both write JSON: a record is rendered
+    (scrubbed, sealed against the answer keys) once, and the second handler
+    writes the same text. The handlers of one logging call run one after the
+    other in the calling thread, so the record itself carries the text."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        done = record.__dict__.get("_skilltrain_rendered")
+        if done is not None and done[0] is self:
+            text: str = done[1]
+            return text
+        text = self._inner.format(record)
+        record.__dict__["_skilltrain_rendered"] = (self, text)
+        return text
+
+
 def _wants_console(stderr: TextIO, stderr_format: str) -> bool:
     if stderr_format == "auto":
         isatty = getattr(stderr, "isatty", None)
@@ -381,9 +401,10 @@ def configure(
 
     shutdown()
     root = logging.getLogger()
+    json_lines = _RenderOnce(_json_formatter())
     console = logging.StreamHandler(stderr)
     console.setFormatter(
-        _console_formatter() if _wants_console(stderr, stderr_format) else _json_formatter()
+        _console_formatter() if _wants_console(stderr, stderr_format) else json_lines
     )
     _handlers.append(console)
     if log_file is not None:
@@ -392,7 +413,7 @@ def configure(
         # backslashreplace: a folder name that is not UTF-8 must not cost the line.
         file_handler = _ResilientFileHandler(log_file, encoding="utf-8",
                                              errors="backslashreplace")
-        file_handler.setFormatter(_json_formatter())
+        file_handler.setFormatter(json_lines)
         _handlers.append(file_handler)
     for handler in _handlers:
         root.addHandler(handler)

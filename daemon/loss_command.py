@@ -24,8 +24,9 @@ def main(args: argparse.Namespace) -> int:
                        report_path=args.out.resolve(), first=args.first, last=args.last)
     label = f"{work.name} ep{job.first:02d}-{job.last:02d}"
 
-    def started(chars: int, tokens: int) -> None:
-        print(f"[loss] {label}, prompt {chars:,} chars, {tokens:,} tokens", flush=True)
+    def started(chars: int, tokens: int | None) -> None:
+        counted = "" if tokens is None else f", {tokens:,} tokens"
+        print(f"[loss] {label}, prompt {chars:,} chars{counted}", flush=True)
 
     def retry(attempt: int, wait_s: float, error: BaseException) -> None:
         print(f"[loss] attempt {attempt} failed ({error}); retrying in {wait_s:.1f}s",

@@ -57,16 +57,28 @@ class StepRow:
 def reported_steps(runs: Path, run: str) -> list[tuple[int, int]]:
     """(epoch, step) of every reported step of the run, in order."""
     markers = runs / run / layout.LOSS_DIR / layout.STEP_MARKERS
+    return [at for at, name in _marked_steps(markers) if _is_reported(markers / name)]
+
+
+def _marked_steps(markers: Path) -> list[tuple[tuple[int, int], str]]:
+    """((epoch, step), marker file name) of every step marker, in order; none read."""
     try:
         names = os.listdir(markers)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
-    found = []
-    for name in names:
-        match = _MARKER_RE.fullmatch(name)
-        if match and _is_reported(markers / name):
-            found.append((int(match.group(1)), int(match.group(2))))
-    return sorted(found)
+    return sorted(((int(m.group(1)), int(m.group(2))), name)
+                  for name in names if (m := _MARKER_RE.fullmatch(name)))
+
+
+def _previous_reported(runs: Path, step: layout.StepKey) -> tuple[int, int] | None:
+    """The last reported step before `step`: markers read newest first, up to the
+    first reported one (reading all of them for every step.reported was quadratic
+    in a run's steps: 20,000 reads for 200 steps at a cold start)."""
+    markers = runs / step.run / layout.LOSS_DIR / layout.STEP_MARKERS
+    for at, name in reversed(_marked_steps(markers)):
+        if at < (step.epoch, step.step) and _is_reported(markers / name):
+            return at
+    return None
 
 
 def _is_reported(marker: Path) -> bool:
@@ -150,10 +162,10 @@ def _run_names(runs: Path) -> list[str]:
 
 def step_fields(runs: Path, step: layout.StepKey) -> dict[str, Any]:
     """`craft_distance` and `craft_distance_change` for the step.reported event."""
-    earlier = [s for s in reported_steps(runs, step.run) if s < (step.epoch, step.step)]
+    earlier = _previous_reported(runs, step)
     previous = None
     if earlier:
-        before = layout.StepKey(step.run, *earlier[-1])
+        before = layout.StepKey(step.run, *earlier)
         previous = summarize(step.run, before.epoch, before.step,
                              step_sidecars(before.reports_dir(runs)), None).craft_distance
     row = summarize(step.run, step.epoch, step.step,

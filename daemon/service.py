@@ -303,6 +303,7 @@ class Daemon:
                 self.state.forget_step(step_id)
         for step in sorted(steps):
             self.check_step(step, steps[step])
+        self.watcher.watch_open_steps(self._open_step_dirs(steps))
         self._forget_fixed_paths()
         counts = self.state.counts()
         by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
@@ -310,6 +311,13 @@ class Daemon:
                   duration_ms=int((time.monotonic() - t0) * 1000), **by_state)
         self.watcher.check_coverage()
         self.heartbeat.beat()
+
+    def _open_step_dirs(self, steps: dict[layout.StepKey, list[layout.SetKey]]) -> set[Path]:
+        """Step folders with a set not yet reported: where the watcher looks."""
+        with self.state.lock:
+            return {step.step_dir(self.runs) for step, keys in steps.items()
+                    if any((r := self.state.sets.get(k.id)) is None or r.state != SetState.DONE
+                           for k in keys)}
 
     def _discover_steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
         """Every step folder under runs/ with the sets it is expected to have."""
@@ -678,7 +686,7 @@ class Daemon:
                            report_path=key.report_path(self.runs), first=key.first,
                            last=key.last)
 
-        def started(chars: int, tokens: int) -> None:
+        def started(chars: int, tokens: int | None) -> None:
             self.emit("loss.started", prompt_chars=chars, prompt_tokens=tokens,
                       attempt=attempts + 1)
 

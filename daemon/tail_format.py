@@ -136,7 +136,8 @@ def _f_loss_failed(rec: Record) -> list[str]:
 
 
 def _f_loss_started(rec: Record) -> list[str]:
-    return [f"prompt={rec.get('prompt_chars', '?')}ch/{rec.get('prompt_tokens', '?')}tok"]
+    tokens = rec.get("prompt_tokens")
+    return [f"prompt={rec.get('prompt_chars', '?')}ch/{'?' if tokens is None else tokens}tok"]
 
 
 def _f_loss_retry(rec: Record) -> list[str]:

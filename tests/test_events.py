@@ -518,7 +518,8 @@ def test_a_run_logs_the_documented_events_in_order(ws: Workspace) -> None:
         assert isinstance(done["duration_ms"], int) and done["duration_ms"] >= 0
         assert "cost_usd" in done
         started = named(mine, "loss.started")[0]
-        assert started["prompt_chars"] > 0 and started["prompt_tokens"] > 0
+        # Not counted: litellm knows no window for the loopback model.
+        assert started["prompt_chars"] > 0 and started["prompt_tokens"] is None
 
     reported = named(lines, "step.reported")[0]
     assert {k: reported[k] for k in ("run", "epoch", "step", "sets")} == {

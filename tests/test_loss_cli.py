@@ -186,12 +186,11 @@ def test_loss_with_the_loopback_model_writes_the_set_and_says_so(runs: Runs) -> 
     assert sidecar["attempts"] == 2
     lines = run.stdout.splitlines()
     assert len(lines) == 2, run.stdout
-    started = re.fullmatch(
-        r"\[loss\] example ep01-03, prompt ([\d,]+) chars, ([\d,]+) tokens", lines[0]
-    )
+    # No token count: litellm knows no window for this model, nothing to check it against.
+    started = re.fullmatch(r"\[loss\] example ep01-03, prompt ([\d,]+) chars", lines[0])
     assert started, lines[0]
     assert int(started.group(1).replace(",", "")) == request.prompt_chars
-    assert int(started.group(2).replace(",", "")) == sidecar["prompt_tokens"]
+    assert sidecar["prompt_tokens"] is None
     size = len((REPORT + "\n").encode())
     assert lines[1] == (
         f"[loss] wrote {run.out} ({size:,} bytes; {sidecar['tokens_in']:,} tokens in, "

@@ -266,8 +266,11 @@ def test_watch_limit_falls_back_to_polling_and_every_set_is_processed(
         assert "inotify watch limit reached" in run.fallback["reason"]
         assert run.ready["observer"] == "polling"
     else:
-        # runs/ was watched, its subfolders silently were not: the coverage check saw it.
-        assert f"{run.limit} watches for " in run.fallback["reason"]
+        # runs/ was watched, then a folder the watcher asked for was refused, or
+        # (below an open step, where watchdog adds them) silently not watched:
+        # the coverage check saw it.
+        reason = run.fallback["reason"]
+        assert "inotify watch limit reached" in reason or f"{run.limit} watches for " in reason
     assert len([e for e in run.events if e["event"] == "watch.fallback"]) == 1
     assert Counter(run.requests) == {s.id: 1 for s in run.sets}
     assert run.watches_after_fallback == 0, "the native observer's watches were not released"
