@@ -191,3 +191,18 @@ def _row(store: StateStore, set_id: str) -> dict[str, object]:
     rec = store.get(set_id)
     assert rec is not None
     return {**rec.__dict__, "state": rec.state.value}
+
+
+def test_a_notice_naming_answer_key_words_is_stored_redacted(tmp_path: Path) -> None:
+    # A notice's reason names folders and files, which the writer named: it is
+    # checked against every work before it reaches the state, like a log line.
+    from skilltrain import leakguard
+
+    line = "Nobody ever crosses the salt marsh after the lantern goes dark"
+    index = leakguard.HumanIndex.build("w", {1: f"MARA\n{line}.\n"})
+    leakguard.install(leakguard.AnswerKeys([index]))
+    store = StateStore(tmp_path / "runs")
+    store.notice("runs/r1/epoch_01", "set.ignored", f"a folder named '{line}'")
+    (entry,) = store.notices.values()
+    assert "salt marsh" not in entry["reason"]
+    assert leakguard.REDACTION_MARKER in entry["reason"]
