@@ -23,12 +23,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# mypy cannot follow setuptools' editable import hook (daemon/ -> skilltrain),
-# so it checks a symlink view of the package instead.
+# mypy cannot follow setuptools' editable import hook (checkout root ->
+# skilltrain), so it checks a symlink view named like the package instead.
 typecheck: $(STAMP)
 	rm -rf build/typecheck && mkdir -p build/typecheck/skilltrain
-	ln -s $(CURDIR)/daemon/*.py $(CURDIR)/daemon/py.typed build/typecheck/skilltrain/
-	ln -s $(CURDIR)/handlers build/typecheck/skilltrain/handlers
+	ln -s $(CURDIR)/__init__.py $(CURDIR)/__main__.py $(CURDIR)/py.typed \
+		$(CURDIR)/daemon $(CURDIR)/handlers build/typecheck/skilltrain/
 	cd build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p skilltrain
 
 check: lint typecheck test

@@ -38,9 +38,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests/: the loopback server and the workspace builders
 
-from skilltrain import dataset  # noqa: E402
-from skilltrain.config import IntegrityConfig  # noqa: E402
-from skilltrain.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon import dataset  # noqa: E402
+from skilltrain.daemon.config import IntegrityConfig  # noqa: E402
+from skilltrain.daemon.templates import PromptTemplates  # noqa: E402
 from tests.daemon_helpers import (  # noqa: E402
     LOG_NAME,
     LOOPBACK_MODEL,
@@ -536,7 +536,7 @@ def _children_maxrss_mb() -> float:
 
 # ---------------------------------------------------------------------------- latency
 
-POLL_INTERVAL_S = 1.0  # skilltrain.watcher's polling interval
+POLL_INTERVAL_S = 1.0  # skilltrain.daemon.watcher's polling interval
 
 
 @dataclass

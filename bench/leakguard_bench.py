@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from skilltrain import audit, leakguard, textnorm
-from skilltrain.leakguard import HumanIndex, find_leaks
+from skilltrain.daemon import audit, leakguard, leakguard_index, textnorm
+from skilltrain.daemon.leakguard import HumanIndex, find_leaks
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -138,7 +138,7 @@ def synthetic_work(words: int, episodes: int, seed: int) -> dict[int, str]:
     invented lexicon so that the content-word rule has work to do.
     """
     rng = random.Random(seed)
-    function = sorted(leakguard._FILLER)
+    function = sorted(leakguard_index._FILLER)
     lexicon = _lexicon(rng, 6000)
     vocab = function + lexicon
     weights = [1.0 / (rank + 1) ** 0.9 for rank in range(len(vocab))]

@@ -22,8 +22,8 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-from skilltrain import observe
-from skilltrain.layout import SetKey
+from skilltrain.daemon import observe
+from skilltrain.daemon.layout import SetKey
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,8 +35,8 @@ def old_observe(base: str) -> Callable[..., observe.Observation]:
         text=True,
         check=True,
     ).stdout
-    module = types.ModuleType("skilltrain._observe_before")
-    module.__dict__["__name__"] = "skilltrain._observe_before"
+    module = types.ModuleType("skilltrain.daemon._observe_before")
+    module.__dict__["__name__"] = "skilltrain.daemon._observe_before"
     sys.modules[module.__name__] = module
     exec(compile(source, "observe_before.py", "exec"), module.__dict__)
     return module.observe  # type: ignore[no-any-return]

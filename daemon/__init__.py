@@ -1,1 +1,1 @@
-"""skilltrain: hands-off skill training of an LLM screenwriter."""
+"""The daemon: watching, reconciling, jobs, steps, and the command line."""

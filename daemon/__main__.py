@@ -1,3 +1,3 @@
-from skilltrain.cli import main
+from .cli import main
 
 main()

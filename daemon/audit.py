@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain import leakguard, textnorm
-from skilltrain.errors import ExitCode
-from skilltrain.leakguard import HumanIndex
+from . import leakguard, textnorm
+from .errors import ExitCode
+from .leakguard import HumanIndex
 
 EXCERPT_WORDS = 8
 CHUNK_CHARS = 1 << 20

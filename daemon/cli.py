@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from skilltrain.errors import SkilltrainError
+from .errors import SkilltrainError
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -96,25 +96,25 @@ def _check_loss_range(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def _loss(args: argparse.Namespace) -> int:
-    from skilltrain import loss_command
+    from . import loss_command
 
     return loss_command.main(args)
 
 
 def _daemon(args: argparse.Namespace) -> int:
-    from skilltrain import service
+    from . import service
 
     return service.main(config_path=args.config, once=args.once)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from skilltrain import status
+    from . import status
 
     return status.main(config_path=args.config, as_json=args.json)
 
 
 def _tail(args: argparse.Namespace) -> int:
-    from skilltrain import config, tail
+    from . import config, tail
 
     cfg = config.load(args.config)
     if cfg.log.file is None:
@@ -123,19 +123,19 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _progress(args: argparse.Namespace) -> int:
-    from skilltrain import progress
+    from . import progress
 
     return progress.main(args.config, args.run, as_json=args.json, plot=args.plot)
 
 
 def _start(args: argparse.Namespace) -> int:
-    from skilltrain import run_record
+    from . import run_record
 
     return run_record.start_main(args.config, args.run)
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from skilltrain import audit, config, dataset
+    from . import audit, config, dataset
 
     cfg = config.load(args.config)
     works = {name: work.read_all_human()
@@ -144,7 +144,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _install_service(args: argparse.Namespace) -> int:
-    from skilltrain import service_unit
+    from . import service_unit
 
     return service_unit.main(args.rest)
 
@@ -184,7 +184,7 @@ def _report_error(args: argparse.Namespace, error: SkilltrainError) -> None:
     if not daemon or sys.stderr.isatty():
         print(f"skilltrain: {error}", file=sys.stderr)
     elif not error.logged:
-        from skilltrain import log
+        from . import log
 
         event = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z",
                  "level": "error", "event": "daemon.failed", "reason": log.scrub(str(error)),

@@ -25,7 +25,7 @@ from pydantic import (
     field_validator,
 )
 
-from skilltrain.errors import ConfigError
+from .errors import ConfigError
 
 DEFAULT_CONFIG = Path("config.toml")
 LLM_ENV_PREFIX = "SKILLTRAIN_LLM_"

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from skilltrain import craft_measuring, craft_parsing, craft_report
+from . import craft_measuring, craft_parsing, craft_report
 
 # Bump when the definition changes: numbers of two versions are not comparable.
 VERSION = 1

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from skilltrain.craft_parsing import Breakdown, parse_screenplay
+from .craft_parsing import Breakdown, parse_screenplay
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from skilltrain.errors import RefusedError
+from .errors import RefusedError
 
 HUMAN_HEADER = "=== Human EP {n:02d} ==="
 MODEL_HEADER = "=== Model EP {n:02d} ==="

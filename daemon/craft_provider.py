@@ -17,8 +17,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from skilltrain.craft_prompt import CraftMetricsError, messages_text
-from skilltrain.craft_report import MODEL_ID, PROVIDER, report_for_prompt
+from .craft_prompt import CraftMetricsError, messages_text
+from .craft_report import MODEL_ID, PROVIDER, report_for_prompt
 
 _LOCK = threading.Lock()
 _MARK = "skilltrain_craft_metrics"

@@ -16,8 +16,8 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from skilltrain.craft_measuring import ScreenplayStats, SideStats, measure_side
-from skilltrain.craft_prompt import CraftMetricsError, check_sides, parse_episodes
+from .craft_measuring import ScreenplayStats, SideStats, measure_side
+from .craft_prompt import CraftMetricsError, check_sides, parse_episodes
 
 PROVIDER = "builtin"
 MODEL_NAME = "craft-metrics"

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from skilltrain.errors import ConfigError, RefusedError
+from .errors import ConfigError, RefusedError
 
 # Exactly `ep` + two or more digits + `.txt`; rsync temp files (.ep01.txt.XYZ),
 # ep01.txt.tmp and editor swap files do not match.

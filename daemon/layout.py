@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain.dataset import episode_number, format_range
+from .dataset import episode_number, format_range
 
 EPOCH_DIR = re.compile(r"epoch_(\d+)")
 STEP_DIR = re.compile(r"step_(\d+)")

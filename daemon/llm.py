@@ -30,9 +30,9 @@ from typing import Any
 
 import tenacity
 
-from skilltrain import leakguard, textnorm
-from skilltrain.config import BUILTIN_MODEL, LLMConfig
-from skilltrain.errors import ConfigError, LLMError
+from . import leakguard, textnorm
+from .config import BUILTIN_MODEL, LLMConfig
+from .errors import ConfigError, LLMError
 
 Message = dict[str, Any]
 BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"
@@ -54,10 +54,10 @@ def litellm() -> ModuleType:
 
             module.suppress_debug_info = True  # no "Give Feedback" banner on stdout
             module.telemetry = False
-            from skilltrain import log
+            from . import log
 
             log.adopt_library_loggers()  # litellm's own stdout handlers: route through ours
-            from skilltrain import craft_provider
+            from . import craft_provider
 
             craft_provider.register()
             _litellm = module
@@ -177,7 +177,7 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
     lm = litellm()
     if settings.model.startswith(BUILTIN_PREFIX):
         # Other code may have replaced litellm.custom_provider_map since.
-        from skilltrain import craft_provider
+        from . import craft_provider
 
         craft_provider.register()
     kwargs = _request_kwargs(messages, settings)

@@ -9,7 +9,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from skilltrain.errors import AlreadyRunningError
+from .errors import AlreadyRunningError
 
 LOCK_FILE = "daemon.lock"
 

@@ -38,6 +38,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -45,8 +46,8 @@ import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from skilltrain import leakguard
-from skilltrain.dataset import format_range
+from . import leakguard
+from .dataset import format_range
 
 __all__ = [
     "LEVELS",
@@ -471,3 +472,14 @@ def bound_job(**ctx: Any) -> Iterator[None]:
         ctx["range"] = format_range(*span)
     with structlog.contextvars.bound_contextvars(**ctx):
         yield
+
+
+def report_task_failure(future: Future[Any]) -> None:
+    """A done-callback for pool tasks (loss jobs, optimizer runs) that raised:
+    in forever mode nobody asks their future, so the error is logged here."""
+    if future.cancelled():
+        return
+    error = future.exception()
+    if error is not None:
+        get_logger("skilltrain.daemon").error("daemon.task_failed", error=type(error).__name__,
+                                              exc_info=error)

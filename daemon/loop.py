@@ -42,13 +42,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from skilltrain import config, layout, log, progress
-from skilltrain.errors import ConfigError
-from skilltrain.handlers import writer
-from skilltrain.handlers.optimizer import OptimizerResult
-from skilltrain.run_record import PAUSE, RETRY, START, Phase, RunRecord
-from skilltrain.run_record import read as read_record
-from skilltrain.run_record import write as write_record
+from ..handlers import writer
+from ..handlers.optimizer import OptimizerResult
+from . import config, layout, log, progress
+from .errors import ConfigError
+from .run_record import PAUSE, RETRY, START, Phase, RunRecord
+from .run_record import read as read_record
+from .run_record import write as write_record
 
 TICK_S = 0.5  # how soon a control file (START, PAUSE, RETRY) or a new run folder is seen
 WRITERS = 4  # runs writing at once
@@ -78,16 +78,21 @@ class Loop:
 
     def __init__(self, cfg: config.Config, emit: Emit, *, stopping: threading.Event,
                  over_budget: Callable[[str], bool], request_scan: Callable[[], None],
+                 optimizer_exhausted: Callable[[layout.StepKey], int | None],
+                 retry_optimizer: Callable[[layout.StepKey], None],
                  once: bool = False, clock: Callable[[], float] = time.time) -> None:
         self.enabled = cfg.loop is not None and not once
         self.loop_cfg = cfg.loop or config.LoopConfig()
         self.writer_cfg = cfg.writer
-        self.optimizer_attempts = cfg.optimizer.max_attempts
         self.runs = cfg.paths.runs
         self.emit = emit
         self.stopping = stopping  # the daemon's intake flag: once set, no writer starts
         self.over_budget = over_budget
         self.request_scan = request_scan
+        # The step stage (daemon/steps.py) owns the optimizer's attempts: did
+        # they all fail (none running), and the user's RETRY of them.
+        self.optimizer_exhausted = optimizer_exhausted
+        self.retry_optimizer = retry_optimizer
         self.clock = clock
         self.log = log.get_logger("skilltrain.loop")
         self._lock = threading.Lock()  # record transitions, one at a time
@@ -210,6 +215,9 @@ class Loop:
             if not self._take(run, RETRY):
                 return False
             self._resume(run, rec, "RETRY")
+            if rec.phase == Phase.OPTIMIZING:
+                # Its attempts are used up: the step gets fresh ones, or it stalls again.
+                self.retry_optimizer(layout.StepKey(run, rec.epoch, rec.step))
             return True
         if rec.phase == Phase.WRITING:
             self._maybe_write(run, rec)
@@ -226,8 +234,8 @@ class Loop:
             return False
         if marker.get("optimizer_done"):
             return self._after_step(run, rec)
-        attempts = int(marker.get("optimizer_attempts") or 0)
-        if attempts >= self.optimizer_attempts:
+        attempts = self.optimizer_exhausted(step)  # not while its last attempt runs
+        if attempts is not None:
             rec.stalled = f"the optimizer failed {attempts} times"
             self._save(run, rec)
             self.emit("run.stalled", level="error", run=run, epoch=rec.epoch, step=rec.step,

@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from skilltrain import config, dataset, llm
-from skilltrain.errors import ExitCode, LLMError, RefusedError
-from skilltrain.handlers import loss
-from skilltrain.templates import PromptTemplates
+from ..handlers import loss
+from . import config, dataset, llm
+from .errors import ExitCode, LLMError, RefusedError
+from .templates import PromptTemplates
 
 
 def main(args: argparse.Namespace) -> int:

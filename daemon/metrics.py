@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from skilltrain.config import split_listen
-from skilltrain.errors import ConfigError
+from .config import split_listen
+from .errors import ConfigError
 
 PREFIX = "skilltrain"
 TOKEN_KINDS = {"in": "tokens_in", "out": "tokens_out", "cached": "tokens_cached",

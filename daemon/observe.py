@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from skilltrain import dataset
-from skilltrain.errors import RefusedError
-from skilltrain.handlers import loss
-from skilltrain.layout import SUCCESS_MARKER, SetKey
+from ..handlers import loss
+from . import dataset
+from .errors import RefusedError
+from .layout import SUCCESS_MARKER, SetKey
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from skilltrain import layout
-from skilltrain.errors import ConfigError
+from . import layout
+from .errors import ConfigError
 
 _MARKER_RE = re.compile(r"epoch_(\d+)-step_(\d+)\.json")
 PLOT_SUFFIXES = (".svg", ".png")
@@ -274,7 +274,7 @@ def write_plot(rows: Sequence[StepRow], path: Path) -> None:
 
 def main(config_path: Path | None, run: str | None, as_json: bool, plot: Path | None,
          out: TextIO = sys.stdout) -> int:
-    from skilltrain import config
+    from . import config
 
     if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
         raise ConfigError(f"--plot {plot}: the file name must end in .svg or .png")

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain import atomic, config, layout
-from skilltrain.errors import ConfigError
+from . import atomic, config, layout
+from .errors import ConfigError
 
 RECORD = "loop.json"  # in runs/<run>/loss/.steps/
 START, PAUSE, RETRY = "START", "PAUSE", "RETRY"  # in runs/<run>/

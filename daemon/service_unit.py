@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from skilltrain.errors import ConfigError, ExitCode, SkilltrainError
-from skilltrain.unit_render import ENV_FILE, render_logrotate, render_unit
-from skilltrain.unit_workspace import (
+from .errors import ConfigError, ExitCode, SkilltrainError
+from .unit_render import ENV_FILE, render_logrotate, render_unit
+from .unit_workspace import (
     WorkspaceSettings,
     primary_group,
     warn_about_host,

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skilltrain import leakguard
-from skilltrain.layout import STATE_DIR
-from skilltrain.state_db import StateDB, move_aside, read_only
+from . import leakguard
+from .layout import STATE_DIR
+from .state_db import StateDB, move_aside, read_only
 
 # The state file of daemons before the database: migrated once, then renamed.
 LEGACY_FILE = "state.json"

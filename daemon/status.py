@@ -14,9 +14,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from skilltrain import config, layout, run_record
-from skilltrain.lock import holder_pid
-from skilltrain.state import SetState, StateStore
+from . import config, layout, run_record
+from .lock import holder_pid
+from .state import SetState, StateStore
 
 STATE_ORDER = [s.value for s in SetState]
 

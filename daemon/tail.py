@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TextIO
 
-from skilltrain.tail_format import WHERE_MIN_WIDTH, Record, format_event, where
-from skilltrain.tail_tally import STATE_OF, Tally, step_key
+from .tail_format import WHERE_MIN_WIDTH, Record, format_event, where
+from .tail_tally import STATE_OF, Tally, step_key
 
 __all__ = ["View", "main"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from skilltrain.tail_format import Record, usd
+from .tail_format import Record, usd
 
 StepKey = tuple[str, int, int]
 

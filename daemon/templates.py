@@ -17,7 +17,7 @@ from typing import Any
 
 import jinja2
 
-from skilltrain.errors import ConfigError
+from .errors import ConfigError
 
 _CACHE_SIZE = 8
 # What may be quoted from an UndefinedError: a variable or attribute name.

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from skilltrain.errors import ConfigError, ExitCode
+from .errors import ConfigError, ExitCode
 
 # The templates sit beside the package in the repository (editable install).
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"

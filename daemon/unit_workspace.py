@@ -12,9 +12,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from skilltrain import config
-from skilltrain.errors import ConfigError
-from skilltrain.unit_render import ENV_FILE
+from . import config
+from .errors import ConfigError
+from .unit_render import ENV_FILE
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from skilltrain import atomic, craft_distance, craft_prompt, dataset, leakguard, llm
-from skilltrain.config import LLMConfig
-from skilltrain.errors import BadOutputError, InputsChangedError, RefusedError
-from skilltrain.templates import PromptTemplates
+from ..daemon import atomic, craft_distance, craft_prompt, dataset, leakguard, llm
+from ..daemon.config import LLMConfig
+from ..daemon.errors import BadOutputError, InputsChangedError, RefusedError
+from ..daemon.templates import PromptTemplates
 
 TEMPLATE = "loss"
 SIDECAR_SCHEMA = 1

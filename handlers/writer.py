@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skilltrain import layout
-from skilltrain.handlers import optimizer
-from skilltrain.handlers.optimizer import Emit, OptimizerResult
+from ..daemon import layout
+from . import optimizer
+from .optimizer import Emit, OptimizerResult
 
 SECTION = "writer"
 PLACEHOLDERS = ("run", "run_dir", "epoch", "step", "prev_reports_dir")

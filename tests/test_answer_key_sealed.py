@@ -9,16 +9,18 @@ shares only the normalisation with the guard (`human_runs`), not its rules.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from skilltrain import leakguard, textnorm
-from skilltrain.state import SetState, StateStore
+from skilltrain.daemon import leakguard, textnorm
+from skilltrain.daemon.state import SetState, StateStore
 from tests.corpus import adversarial
 from tests.daemon_helpers import (
     Workspace,
@@ -137,15 +139,23 @@ def test_provider_errors_echoing_the_prompt_never_reach_log_or_state(
         tmp_path: Path, llm_server: LLMServer) -> None:
     # Class 4: an error body that echoes the prompt, upper-cased, pipe-joined,
     # zero-width-joined or JSON-escaped; by 400s (final) and 5xx (retried).
-    statuses = iter([400, 500, 500, 400, 503, 503, 400, 400])
-    disguise = iter(["upper-cased", "pipe-joined", "pipe-joined", "zero-width-joined",
-                     "JSON-escaped", "JSON-escaped", "upper-cased", "JSON-escaped"])
+    # By set, not by arrival (the four jobs run at once): the first two sets
+    # seen get a 5xx first (retried once), every other request a 400.
+    disguise = itertools.cycle(["upper-cased", "pipe-joined", "zero-width-joined",
+                                "JSON-escaped"])
+    requests: dict[str, int] = {}
+    lock = threading.Lock()
 
     def echo(request: Request) -> Reply:
-        message = adversarial.error_echoes(prompt_of(request))[next(disguise)]
+        prompt = prompt_of(request)
+        with lock:
+            requests[prompt] = requests.get(prompt, 0) + 1
+            retried = requests[prompt] == 1 and list(requests).index(prompt) < 2
+            message = adversarial.error_echoes(prompt)[next(disguise)]
         assert human_runs(message)
-        return Reply.status(next(statuses), body={"error": {"message": message,
-                                                            "type": "invalid_request_error"}})
+        status = (500 if len(requests) % 2 else 503) if retried else 400
+        return Reply.status(status, body={"error": {"message": message,
+                                                    "type": "invalid_request_error"}})
 
     llm_server.default = echo
     ws = key_workspace(tmp_path, llm_server, works=2)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import audit, leakguard
-from skilltrain.audit import Hit
+from skilltrain.daemon import audit, leakguard
+from skilltrain.daemon.audit import Hit
 
 HUMAN_EP3 = """\
 INT. LIGHTHOUSE - LAMP ROOM - NIGHT

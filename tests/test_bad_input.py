@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.errors import ExitCode
+from skilltrain.daemon.errors import ExitCode
 from tests.daemon_helpers import (
     SKILLTRAIN,
     TEMPLATE,
@@ -435,7 +435,7 @@ def test_50mb_episode_is_refused_from_its_size_without_being_read(
     tmp_path: Path, llm_server: LLMServer
 ) -> None:
     """A model with a known window (gpt-4o-mini: 128,000 tokens, so 2,048,000 bytes)."""
-    from skilltrain import llm
+    from skilltrain.daemon import llm
 
     model = "openai/gpt-4o-mini"
     ws = build_workspace(

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import dataset
-from skilltrain.templates import PromptTemplates
+from skilltrain.daemon import dataset
+from skilltrain.daemon.templates import PromptTemplates
 from tests.daemon_helpers import (
     TEMP_PREFIX,
     DaemonProcess,

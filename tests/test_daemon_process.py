@@ -337,5 +337,5 @@ def test_status_is_fast_never_imports_litellm_and_shows_failures(
     assert beta_waiting.id in text.stdout
 
     modules = [ln.split("|")[-1].strip() for ln in traced.stderr.splitlines() if "|" in ln]
-    assert traced.returncode == 0 and "skilltrain.status" in modules
+    assert traced.returncode == 0 and "skilltrain.daemon.status" in modules
     assert not [m for m in modules if m.split(".")[0] in ("litellm", "openai", "tiktoken")]

@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 
-from skilltrain import config, llm, service, status
-from skilltrain import log as slog
-from skilltrain.layout import StepKey
+from skilltrain.daemon import config, llm, service, status
+from skilltrain.daemon import log as slog
+from skilltrain.daemon.layout import StepKey
 from tests.llm_server import LLMServer, Reply, Request
 
 REPO = Path(__file__).resolve().parent.parent
@@ -690,7 +690,7 @@ def test_expected_works_are_all_of_data_unless_run_toml_lists_them(ws: Workspace
         assert len(named(lines, "loss.completed")) == 2  # work a in both runs
         # The barrier holds for "all works" until b's episodes come.
         ws.scripts("all works", 1, 1, "b", range(1, 4))
-        d.scan()
+        d.reconcile.scan()
         d.run_once()
 
     reported = named(ws.new_lines(), "step.reported")
@@ -766,7 +766,7 @@ class CheckStepWhileLogging(logging.Handler):
         if self.fired or not (isinstance(msg, dict) and msg.get("event") == "step.reported"):
             return
         self.fired = True
-        self.daemon.check_step(StepKey(msg["run"], msg["epoch"], msg["step"]))
+        self.daemon.steps.check(StepKey(msg["run"], msg["epoch"], msg["step"]))
 
 
 def test_optimizer_runs_once_when_two_barrier_checks_race(ws: Workspace) -> None:
@@ -819,13 +819,13 @@ def test_failing_optimizer_is_retried_per_scan_up_to_max_attempts_and_blocks_not
         # r1's optimizer runs and hangs on the gate; r2's loss job must not wait for it.
         wait_for("r1's optimizer to start", lambda: len(ws.calls()) == 1)
         ws.scripts("r2", 1, 1, "a", range(1, 4))
-        d.scan()
+        d.reconcile.scan()
         wait_for("r2's report", lambda: bool(named(ws.lines(), "loss.completed", run="r2")))
         assert named(ws.lines(), "optimizer.finished") == []
         gate.touch()
         d.run_once()
         for _ in range(3):  # attempts 2 and 3, then nothing more
-            d.scan()
+            d.reconcile.scan()
             d.run_once()
     finally:
         gate.touch()
@@ -889,7 +889,7 @@ def test_report_redone_after_the_optimizer_ran_reports_the_step_again_and_reruns
         assert len(named(ws.new_lines(), "optimizer.finished", exit_code=0)) == 1
         (scripts / "ep02.txt").write_text(model_text("a", 2, "rewritten"), encoding="utf-8")
         (scripts / "_SUCCESS").touch()  # the writer marks the rewrite finished
-        d.scan()
+        d.reconcile.scan()
         d.run_once()
     lines = ws.new_lines()
 
@@ -1060,9 +1060,9 @@ def test_budget_stops_new_jobs_lets_running_ones_finish_and_status_shows_spend(
         # Over budget: r1's next step gets no job; r2 has its own budget.
         ws.scripts("r1", 1, 2, "b", range(1, 7))
         ws.scripts("r2", 1, 1, "b", range(1, 7))
-        d.scan()
+        d.reconcile.scan()
         d.run_once()
-        d.scan()
+        d.reconcile.scan()
         d.run_once()
     lines = ws.new_lines()
 

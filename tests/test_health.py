@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain import layout
+from skilltrain.daemon import layout
 from tests.daemon_helpers import (
     InProcessDaemon,
     Workspace,
@@ -88,7 +88,7 @@ def test_only_one_full_scan_runs_at_a_time_and_none_is_lost(
 
     def scan() -> None:
         gate.wait()
-        d.daemon.scan()
+        d.daemon.reconcile.scan()
 
     threads = [threading.Thread(target=scan) for _ in range(3)]
     for t in threads:
@@ -110,7 +110,7 @@ def test_only_one_full_scan_runs_at_a_time_and_none_is_lost(
 def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
     tmp_path: Path, llm_server: LLMServer, start: Start, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skilltrain import service
+    from skilltrain.daemon import reconcile
 
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 6})
     slow, other = ws.sets_of_step("r1", 1, 1)
@@ -119,7 +119,7 @@ def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
             for s in (slow, other)}
     hung, release = threading.Event(), threading.Event()
     looks: list[str] = []
-    real_observe = service.observe
+    real_observe = reconcile.observe
 
     def observe(key: layout.SetKey, runs: Path, data: Path | None = None) -> Any:
         looks.append(key.id)
@@ -128,13 +128,13 @@ def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
             release.wait(10)  # the NFS server stopped answering
         return real_observe(key, runs, data)
 
-    monkeypatch.setattr(service, "observe", observe)
-    stuck = threading.Thread(target=d.daemon.evaluate, args=[keys[slow.id]])
+    monkeypatch.setattr(reconcile, "observe", observe)
+    stuck = threading.Thread(target=d.daemon.reconcile.evaluate, args=[keys[slow.id]])
     stuck.start()
     try:
         assert hung.wait(5)
         for key in (keys[other.id], keys[slow.id]):
-            t = threading.Thread(target=d.daemon.evaluate, args=[key])
+            t = threading.Thread(target=d.daemon.reconcile.evaluate, args=[key])
             t.start()
             t.join(2)
             assert not t.is_alive(), f"evaluate({key.id}) waited for the hung set"

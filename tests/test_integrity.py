@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import config, dataset, leakguard
-from skilltrain.errors import RefusedError
+from skilltrain.daemon import config, dataset, leakguard
+from skilltrain.daemon.errors import RefusedError
+from skilltrain.daemon.templates import PromptTemplates
 from skilltrain.handlers import loss
-from skilltrain.templates import PromptTemplates
 from tests.llm_server import LLMServer, Reply
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from skilltrain import leakguard, textnorm
-from skilltrain.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
+from skilltrain.daemon import leakguard, leakguard_index, textnorm
+from skilltrain.daemon.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
 
 # A human screenplay written for these tests (two episodes).
 HUMAN_EP1 = """\
@@ -300,7 +300,7 @@ def test_index_for_caches_by_content() -> None:
     assert changed is not first
     renumbered = leakguard.index_for("cache-test", {2: HUMAN_EP1})
     assert renumbered is not first
-    for i in range(leakguard._CACHE_SIZE):  # evicts the oldest
+    for i in range(leakguard_index._CACHE_SIZE):  # evicts the oldest
         leakguard.index_for(f"filler-{i}", {1: f"line {i}"})
     assert leakguard.index_for("cache-test", {1: HUMAN_EP1}) is not first
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from skilltrain import log as slog
-from skilltrain.log import bound_job, configure, get_logger, scrub
+from skilltrain.daemon import log as slog
+from skilltrain.daemon.log import bound_job, configure, get_logger, scrub
 
 
 class FakeTTY(io.StringIO):

@@ -54,6 +54,7 @@ def toml_list(items: list[str]) -> str:
 
 def loop_workspace(root: Path, llm_url: str, *, steps_per_epoch: int = 2, max_epochs: int = 2,
                    scenes: str = "1,2,3", loop_extra: str = "", writer_attempts: int = 3,
+                   optimizer_args: tuple[str, ...] = (), optimizer_attempts: int = 3,
                    **build: Any) -> Workspace:
     """One work of two episodes (one set per step), the toy writer and optimizer configured."""
     journal = str(root / "journal.jsonl")  # outside runs/
@@ -63,11 +64,12 @@ def loop_workspace(root: Path, llm_url: str, *, steps_per_epoch: int = 2, max_ep
               "--journal", journal, "--fail-while", str(root / "writer-fails"),
               "--hold-while", str(root / "writer-holds")]
     optimizer = [sys.executable, str(TOY_OPTIMIZER), "{run_dir}", "{reports_dir}",
-                 "{epoch}", "{step}", "--journal", journal]
+                 "{epoch}", "{step}", "--journal", journal, *optimizer_args]
     extra = f"""
 [optimizer]
 command = {toml_list(optimizer)}
 timeout_s = 30
+max_attempts = {optimizer_attempts}
 
 [writer]
 command = {toml_list(writer)}
@@ -272,6 +274,32 @@ def test_a_failing_writer_is_retried_then_the_run_stalls_until_retry(
     assert end["reason"] == "max_epochs"
     assert journal(ws, "writer") == [(0, 0)]
     assert journal(ws, "optimizer") == [(0, 0)]
+    assert catalogue_problems(ws.events()) == []
+
+
+def test_an_optimizer_that_used_its_attempts_stalls_the_run_and_retry_gives_it_fresh_ones(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    fails = tmp_path / "optimizer-fails"
+    ws = loop_workspace(tmp_path, llm_server.url, steps_per_epoch=1, max_epochs=1,
+                        optimizer_args=("--fail-while", str(fails)), optimizer_attempts=1)
+    fails.touch()
+    with InProcessDaemon(ws):
+        start_run(ws)
+        stalled = wait_until(lambda: ws.events("run.stalled", run=RUN), FINISH_TIMEOUT_S,
+                             message="run.stalled")[0]
+        assert stalled["phase"] == "optimizing"
+        assert "the optimizer failed 1 times" in stalled["reason"]
+        assert len(ws.events("optimizer.failed")) == 1
+        fails.unlink()
+        (ws.runs / RUN / "RETRY").touch()
+        end = finished(ws)
+
+    assert ws.events("run.resumed", run=RUN, trigger="RETRY")
+    assert end["reason"] == "max_epochs"
+    assert journal(ws, "optimizer", "start") == [(0, 0), (0, 0)]  # the failed run, the retry
+    assert journal(ws, "optimizer") == [(0, 0)]
+    assert [e["exit_code"] for e in ws.events("optimizer.finished")] == [1, 0]
     assert catalogue_problems(ws.events()) == []
 
 

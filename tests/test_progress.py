@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import craft_distance, craft_measuring, craft_parsing, tail_format
+from skilltrain.daemon import craft_distance, craft_measuring, craft_parsing, tail_format
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from skilltrain import llm
-from skilltrain.config import LLMConfig
+from skilltrain.daemon import llm
+from skilltrain.daemon.config import LLMConfig
 from tests.conftest import LOOPBACK_MODEL
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
 

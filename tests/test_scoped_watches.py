@@ -46,7 +46,7 @@ def test_only_open_places_are_watched_and_a_new_run_and_step_are_picked_up(
         wait_until(lambda: all(ws.has_report(s) for s in old), 20, message="the first reports")
         step1 = (ws.step_dir("r0", 1, 1), True)
         # A scan (as the resync would) once the sets are done: the watches follow.
-        wait_until(lambda: d.daemon.scan() or step1 not in watched(d), 10,
+        wait_until(lambda: d.daemon.reconcile.scan() or step1 not in watched(d), 10,
                    message="the reported step's watch to go")
         scoped = watched(d)
         assert (ws.runs / "r0" / "epoch_01", False) in scoped  # new steps appear here

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain import status
+from skilltrain.daemon import status
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,

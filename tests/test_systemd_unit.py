@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain import unit_render
-from skilltrain.config import DaemonConfig
-from skilltrain.errors import ConfigError, ExitCode
-from skilltrain.service_unit import main
-from skilltrain.unit_render import render_logrotate, render_unit
+from skilltrain.daemon import unit_render
+from skilltrain.daemon.config import DaemonConfig
+from skilltrain.daemon.errors import ConfigError, ExitCode
+from skilltrain.daemon.service_unit import main
+from skilltrain.daemon.unit_render import render_logrotate, render_unit
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK_SCRIPT = REPO / "systemd" / "check-unit.sh"
@@ -196,7 +196,7 @@ def test_no_secrets_in_the_unit(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "skilltrain.service_unit",
+            "skilltrain.daemon.service_unit",
             "--workspace",
             str(ws),
             "--venv",
