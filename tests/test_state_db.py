@@ -208,3 +208,30 @@ def test_a_notice_naming_answer_key_words_is_stored_redacted(tmp_path: Path) -> 
     (entry,) = store.notices.values()
     assert "salt marsh" not in entry["reason"]
     assert leakguard.REDACTION_MARKER in entry["reason"]
+
+
+def test_the_counts_kept_as_sets_change_match_a_recount(tmp_path: Path) -> None:
+    """counts() is kept up to date at each change (the main loop asks every
+    second); it must always say what counting the records says."""
+    import random
+    from collections import Counter
+
+    store = StateStore(tmp_path / "runs")
+    rng = random.Random(7)
+    states = list(SetState)
+    for i in range(3000):
+        set_id = f"r/epoch_00/step_00/w/{rng.randrange(200)}"
+        if rng.random() < 0.15:
+            store.forget(set_id)
+        elif rng.random() < 0.3:
+            store.update(set_id, rng.choice(states))  # a no-op when the state is the same
+        else:
+            store.update(set_id, rng.choice(states), reason=f"change {i}")
+        if i % 500 == 0:
+            assert store.counts() == Counter(r.state.value for r in store.sets.values())
+    assert store.counts() == Counter(r.state.value for r in store.sets.values())
+    store.flush()
+    store.close()
+    reloaded = StateStore(tmp_path / "runs")
+    assert reloaded.load() is None
+    assert reloaded.counts() == store.counts() and sum(reloaded.counts().values()) > 0
