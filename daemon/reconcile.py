@@ -68,6 +68,7 @@ class Reconciler:
         self.failures = 0  # sets that will not complete by themselves (--once exit code)
         self.once_rescan_at = 0.0  # --once: when sets waiting to settle are ready
         self._template_hash: tuple[float, str] | None = None
+        self._schedule_guard = threading.Lock()  # a look's time: read and set at once
         self._scan_guard = threading.Lock()
         self._scanning = False  # one full scan at a time; under _scan_guard
         self._scan_wanted = False  # asked for while one ran: it goes round once more
@@ -162,13 +163,24 @@ class Reconciler:
 
     def schedule_evaluate(self, key: layout.SetKey, *, delay_s: float = 0.0,
                           at_s: float | None = None) -> None:
-        """Debounce: one pending evaluation per set; a new one replaces it."""
+        """Debounce: one pending evaluation per set, at the earliest time asked for.
+
+        A later time never replaces an earlier pending look (a settle wait
+        of 30 s must not swallow the look a `_SUCCESS` event asked for in
+        20 ms): the look runs after every request made before it, sees what
+        they saw, and schedules its own next look if it needs one.
+        """
         if self.once or self.stopping.is_set():
             return
-        when = at_s if at_s is not None else time.time() + delay_s
+        when = at(at_s if at_s is not None else time.time() + delay_s)
         try:
-            self.scheduler.add_job(self._evaluate_job, "date", args=[key], id=key.id,
-                                   replace_existing=True, run_date=at(when))
+            with self._schedule_guard:
+                pending = self.scheduler.get_job(key.id)
+                if pending is not None and pending.next_run_time is not None \
+                        and pending.next_run_time <= when:
+                    return
+                self.scheduler.add_job(self._evaluate_job, "date", args=[key], id=key.id,
+                                       replace_existing=True, run_date=when)
         except SchedulerNotRunningError:
             pass  # shutting down: the next start finds the set again
         except Exception:

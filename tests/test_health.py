@@ -146,6 +146,34 @@ def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
     wait_until(lambda: looks.count(slow.id) == 2, 5, message="the coalesced look, afterwards")
 
 
+def test_a_later_look_never_postpones_an_earlier_pending_one(
+    tmp_path: Path, llm_server: LLMServer, start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation that ends in a settle wait (look again in 30 s) races the
+    `_SUCCESS` event that asked for a look now: the earlier look must stay."""
+    from skilltrain.daemon import reconcile
+
+    monkeypatch.setattr(reconcile, "HINT_DEBOUNCE_S", 1.0)  # room to race it by hand
+    ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=30.0)
+    (s,) = ws.sets_of_step("r1", 1, 1)
+    key = layout.SetKey(s.run, s.epoch, s.step, s.work, s.first, s.last)
+    d = start(ws, loop=False)
+    scripts = ws.scripts("r1", 1, 1, "alpha")
+    ws.write_step("r1", 1, 1)  # complete, no _SUCCESS: settling for 30 s
+    wait_until(lambda: (r := d.daemon.state.get(s.id)) and r.state == "settling", 10,
+               message="the set settling")
+
+    def pending_in(seconds: float) -> bool:
+        job = d.daemon.scheduler.get_job(key.id)
+        return job is not None and job.next_run_time.timestamp() < time.time() + seconds
+
+    (scripts / "_SUCCESS").write_bytes(b"")
+    wait_until(lambda: pending_in(2.0), 5, message="the look _SUCCESS asked for")
+    d.daemon.reconcile.schedule_evaluate(key, at_s=time.time() + 30)  # the racing settle wait
+    assert pending_in(2.0)
+    wait_until(lambda: ws.has_report(s), 10, message="the report, long before 30 s")
+
+
 # ------------------------------------------------------------------ optimizer
 
 
