@@ -42,6 +42,12 @@ def render_argv(command: Sequence[str], values: Mapping[str, str], *,
 
 def check_command(command: Sequence[str], placeholders: Sequence[str] = PLACEHOLDERS, *,
                   section: str = "optimizer") -> None:
+    """At start-up: an unknown placeholder, or an argument no program can be given."""
+    for part in command:
+        if "\0" in part:
+            # exec takes C strings: Popen would fail at every step, not at start.
+            raise ConfigError(f"[{section}] command = {list(command)!r}: argument {part!r} "
+                              "holds a NUL character, which no program can receive")
     render_argv(command, {name: name for name in placeholders}, section=section)
 
 

@@ -383,6 +383,11 @@ def test_loop_config_errors_name_the_key_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "unknown key [loop] stop_belw (did you mean 'stop_below'?)" in result.stderr
 
+    nul = build_workspace(tmp_path / "d", "http://127.0.0.1:9/v1",
+                          extra='[optimizer]\ncommand = ["/bin/true", "a\\u0000b"]\n')
+    result, _ = run_cli("daemon", "--once", "--config", str(nul.config_path))
+    assert result.returncode == 2 and "holds a NUL character" in result.stderr
+
     plain = build_workspace(tmp_path / "c", "http://127.0.0.1:9/v1")
     result, _ = run_cli("start", RUN, "--config", str(plain.config_path))
     assert result.returncode == 2 and "[loop] is not configured" in result.stderr
