@@ -804,9 +804,9 @@ class DaemonProcess:
 
 
 def run_cli(
-    *args: str, timeout: float = 30.0, python_flags: Sequence[str] = ()
+    *args: str, timeout: float = 30.0, python_flags: Sequence[str] = (), cwd: Path | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run `python [flags] -m skilltrain ARGS`; returns the result and its wall time."""
+    """Run `python [flags] -m skilltrain ARGS` (in `cwd`); returns the result and its wall time."""
     argv = [sys.executable, *python_flags, "-m", "skilltrain", *args]
     t0 = time.monotonic()
     result = subprocess.run(
@@ -816,5 +816,6 @@ def run_cli(
         timeout=timeout,
         env=subprocess_env(),
         stdin=subprocess.DEVNULL,
+        cwd=cwd,
     )
     return result, time.monotonic() - t0

@@ -28,7 +28,6 @@ import pytest
 
 from skilltrain.daemon.errors import ExitCode
 from tests.daemon_helpers import (
-    SKILLTRAIN,
     TEMPLATE,
     DaemonProcess,
     InProcessDaemon,
@@ -40,10 +39,10 @@ from tests.daemon_helpers import (
     model_episode,
     release_llm_clients,
     remove_tree,
+    run_cli,
     run_once_in_process,
     sha256_text,
     stays,
-    subprocess_env,
     wait_until,
 )
 from tests.daemon_marks import DAEMON_TEST_MARKS
@@ -522,14 +521,7 @@ def test_config_with_a_typo_exits_2_with_one_line_naming_the_key(
 ) -> None:
     config = tmp_path / "config.toml"
     config.write_text(f'[paths]\nruns = "runs"\n{toml}', encoding="utf-8")
-    result = subprocess.run(
-        [str(SKILLTRAIN), "daemon", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-        cwd=tmp_path,
-    )
+    result = run_cli("daemon", "--config", str(config), cwd=tmp_path)[0]
     assert result.returncode == ExitCode.CONFIG == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -548,14 +540,7 @@ def test_template_syntax_error_at_start_exits_2_naming_the_line(
     template = ws.root / "prompts" / "loss.md.j2"
     template.write_text(BROKEN_SYNTAX, encoding="utf-8")
     ws.write_step(R, 1, 1, success=True)
-    result = subprocess.run(
-        [str(SKILLTRAIN), "daemon", "--config", str(ws.config_path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-        cwd=tmp_path,
-    )
+    result = run_cli("daemon", "--config", str(ws.config_path), cwd=tmp_path)[0]
     assert result.returncode == ExitCode.CONFIG == 2, result.stderr
     # stderr is the journal here (not a terminal): the error is one JSON event
     # among the others, not a plain line in the middle of them.

@@ -213,14 +213,7 @@ def test_a_bad_config_under_a_service_manager_is_one_json_event(tmp_path: Path) 
     config = tmp_path / "config.toml"
     config.write_text("[llm]\nmodle = 'x'\n")
 
-    result = subprocess.run(
-        [str(SKILLTRAIN), "daemon", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-        cwd=tmp_path,
-    )
+    result = run_cli("daemon", "--config", str(config), cwd=tmp_path)[0]
 
     assert result.returncode == ExitCode.CONFIG
     (event,) = json_lines(result.stderr)
@@ -235,14 +228,7 @@ def test_a_bad_config_under_a_service_manager_is_one_json_event(tmp_path: Path) 
 def test_daemon_without_config_toml_says_what_it_assumed_and_creates_nothing(
     tmp_path: Path,
 ) -> None:
-    result = subprocess.run(
-        [str(SKILLTRAIN), "daemon", "--once"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-        cwd=tmp_path,
-    )
+    result = run_cli("daemon", "--once", cwd=tmp_path)[0]
 
     assert result.returncode == ExitCode.CONFIG, result.stderr
     notice, error = result.stderr.splitlines()
@@ -252,14 +238,7 @@ def test_daemon_without_config_toml_says_what_it_assumed_and_creates_nothing(
 
 
 def test_status_without_config_toml_says_so_and_creates_nothing(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [str(SKILLTRAIN), "status"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-        cwd=tmp_path,
-    )
+    result = run_cli("status", cwd=tmp_path)[0]
 
     assert result.returncode == 1
     assert f"no config.toml in {tmp_path}" in result.stderr
