@@ -108,8 +108,8 @@ class Discovery:
     # ---------------------------------------------------------- unusable paths
     def ignore(self, path: Path, reason: str, event: str = "set.ignored") -> bool:
         """Log a path we cannot use once, not at every scan. True when logged now."""
-        self.state.notice(str(path), event, reason)  # for status, while it lasts
-        self._noticed_this_scan.add(str(path))
+        # For status, while it lasts (under the key the state keeps it by).
+        self._noticed_this_scan.add(self.state.notice(str(path), event, reason))
         if f"{path}: {reason}" in self._named:
             return False
         self._named.add(f"{path}: {reason}")

@@ -278,15 +278,17 @@ class StateStore:
             self._dirty["spend"].add(run)
             return spend
 
-    def notice(self, path: str, event: str, reason: str) -> None:
+    def notice(self, path: str, event: str, reason: str) -> str:
+        """Keep why `path` cannot be used; returns the key it is kept under."""
         keys = leakguard.installed()
-        if keys is not None:  # it names files a writer named: checked like a log line
-            reason = keys.clean(reason)
+        if keys is not None:  # a writer named these files: checked like a log line
+            path, reason = keys.clean(path), keys.clean(reason)
         with self.lock:
             entry = {"event": event, "reason": reason}
             if self.notices.get(path) != entry:
                 self.notices[path] = entry
                 self._dirty["notices"].add(path)
+        return path
 
     def keep_notices(self, keep: Callable[[str], bool]) -> None:
         """Drop the notices of paths that no longer have a problem."""

@@ -205,9 +205,13 @@ def test_a_notice_naming_answer_key_words_is_stored_redacted(tmp_path: Path) -> 
     leakguard.install(leakguard.AnswerKeys([index]))
     store = StateStore(tmp_path / "runs")
     store.notice("runs/r1/epoch_01", "set.ignored", f"a folder named '{line}'")
-    (entry,) = store.notices.values()
-    assert "salt marsh" not in entry["reason"]
-    assert leakguard.REDACTION_MARKER in entry["reason"]
+    # The path it is kept under is the writer's naming too.
+    kept_as = store.notice(f"runs/r1/{line}", "set.ignored", "not an epoch_NN folder")
+    assert len(store.notices) == 2 and kept_as in store.notices
+    for path, entry in store.notices.items():
+        assert "salt marsh" not in path + entry["reason"]
+    assert leakguard.REDACTION_MARKER in store.notices["runs/r1/epoch_01"]["reason"]
+    assert kept_as.startswith("runs/r1/") and leakguard.REDACTION_MARKER in kept_as
 
 
 def test_the_counts_kept_as_sets_change_match_a_recount(tmp_path: Path) -> None:
