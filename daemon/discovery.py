@@ -15,7 +15,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import config, dataset, layout
+from . import config, dataset, layout, leakguard
 from .errors import RefusedError
 from .state import StateStore
 
@@ -54,7 +54,7 @@ class Discovery:
         """Every step folder under runs/ with the sets it is expected to have."""
         self._report_linked_folders(self.runs)
         for run in subdirs(self.runs):
-            if run.name.startswith("."):
+            if run.name.startswith(".") or self._quotes_the_key(run.name):
                 continue
             works = self.expected_works(run.name)
             self._report_linked_folders(run)
@@ -75,6 +75,8 @@ class Discovery:
 
     def sets_of_step(self, step: layout.StepKey,
                      works: list[dataset.Work] | None = None) -> Iterator[layout.SetKey]:
+        if self._quotes_the_key(step.run):
+            return
         step_dir = step.step_dir(self.runs)
         works = works if works is not None else self.expected_works(step.run)
         for name in _subdir_names(step_dir):
@@ -106,6 +108,16 @@ class Discovery:
         return [self.works[n] for n in names if n in self.works]
 
     # ---------------------------------------------------------- unusable paths
+    def _quotes_the_key(self, run: str) -> bool:
+        """A run folder named with a line of the answer key is not scored: its
+        name would be in every report path, state row and log line we write."""
+        keys = leakguard.installed()
+        if keys is None or not keys.leaks(run):
+            return False
+        self.ignore(self.runs / run, "the folder name quotes the answer key; not scored "
+                    "(rename the run)", event="set.unusable")
+        return True
+
     def ignore(self, path: Path, reason: str, event: str = "set.ignored") -> bool:
         """Log a path we cannot use once, not at every scan. True when logged now."""
         # For status, while it lasts (under the key the state keeps it by).

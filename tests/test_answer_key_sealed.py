@@ -258,3 +258,23 @@ def test_state_reasons_are_checked_against_every_work(tmp_path: Path) -> None:
     saved = store.path.read_bytes().decode("utf-8", "replace")
     assert "KeyError: [verbatim answer-key passage removed]. (HTTP 400)" in saved
     assert not human_runs(saved)
+
+
+def test_a_run_folder_named_with_a_line_of_the_key_is_not_scored(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # A run's name goes into every report path, state row and log line of it:
+    # a writer that names its run with a line of the key is refused, once.
+    line = adversarial.LONG_COMMON[0]
+    ws = key_workspace(tmp_path, llm_server)
+    ws.write_step(line, 0, 0, success=True)
+
+    run_once_in_process(ws)
+
+    assert not (ws.runs / line / "loss").exists()  # nothing written into it
+    assert ws.has_report(ws.sets_of_step("r1", 0, 0)[0])  # the other run is scored
+    (refused,) = ws.events("set.unusable")
+    assert "quotes the answer key" in refused["reason"]
+    assert not [e for e in ws.events("set.ready") if e["run"] != "r1"]
+    saved = ws.state_file.read_bytes().decode("utf-8", "replace")
+    assert "quotes the answer key" in saved and not human_runs(saved)
+    assert_sealed(ws)
