@@ -3,7 +3,8 @@
 Temp file in the same directory (so os.replace is a rename on one
 filesystem), fsync of the file, os.replace, fsync of the directory (so the
 rename itself survives a power cut). Temp names share one prefix, so the
-files a crash left behind are found and removed at start-up.
+files a crash left behind are found and removed after a restart, and end in
+".tmp", so no reader's `*.md` or `*.json` takes one for a finished file.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def write_all(files: dict[Path, str]) -> None:
     try:
         for path, text in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=f".{path.name}",
+            fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", suffix=".tmp",
                                        dir=path.parent)
             temps.append((tmp, path))
             with os.fdopen(fd, "wb") as f:
@@ -93,11 +94,15 @@ def leftover_temp_files(root: Path) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def remove_leftover_temp_files(root: Path) -> int:
-    """Delete what crashed writes left behind; returns how many."""
+def remove_leftover_temp_files(root: Path, older_than: float | None = None) -> int:
+    """Delete what crashed writes left behind; returns how many. `older_than`
+    (a wall-clock time): only files last written before it, so the writes
+    this process has in flight are left alone."""
     removed = 0
     for path in leftover_temp_files(root):
         with contextlib.suppress(FileNotFoundError):
+            if older_than is not None and path.stat().st_mtime >= older_than:
+                continue
             path.unlink()
             removed += 1
     return removed

@@ -132,10 +132,11 @@ class Daemon:
                   model=self.cfg.llm.model, once=self.once)
         if not runs_existed:
             self.emit("daemon.runs_created", runs_dir=str(self.runs))
-        # The daemon writes only under runs/*/loss/ and runs/.skilltrain/.
-        removed = sum(atomic.remove_leftover_temp_files(d) for d in self._own_dirs())
-        if removed:
-            self.emit("daemon.cleaned", temp_files=removed)
+        # Temp files of writes a crash cut short: the state folder's now (it
+        # is read next); the loss folders' too with --once, else after ready.
+        started_at = self.clock()
+        self._clean_leftovers([self.runs / layout.STATE_DIR, *(self._loss_dirs() if self.once
+                                                               else [])], started_at)
         self.loop.prepare()
         self.discovery.load_works()
         self._install_answer_keys()
@@ -164,6 +165,12 @@ class Daemon:
             self.loop.start()
         self.notifier.ready()
         self.emit("daemon.ready", observer=self.watcher.kind or "none")
+        if not self.once:
+            # A folder per report step: on a large tree, seconds of directory
+            # reads that would hold up ready. Nothing reads a temp file meanwhile
+            # (exact names, and temp names end in .tmp); our own writes are newer.
+            threading.Thread(target=lambda: self._clean_leftovers(self._loss_dirs(), started_at),
+                             name="cleanup", daemon=True).start()
         if self.cfg.integrity.audit_on_start and not self.once:
             threading.Thread(target=self.audit, name="audit", daemon=True).start()
 
@@ -182,11 +189,15 @@ class Daemon:
 
         audit_runs(self.runs, self.discovery.works, self.cfg.paths.data, self.emit)
 
-    def _own_dirs(self) -> list[Path]:
-        dirs = [self.runs / layout.STATE_DIR]
-        dirs += [run / layout.LOSS_DIR for run in subdirs(self.runs)
-                 if (run / layout.LOSS_DIR).is_dir()]
-        return dirs
+    def _loss_dirs(self) -> list[Path]:
+        """Where the daemon writes besides runs/.skilltrain/: runs/*/loss/."""
+        return [run / layout.LOSS_DIR for run in subdirs(self.runs)
+                if (run / layout.LOSS_DIR).is_dir()]
+
+    def _clean_leftovers(self, dirs: list[Path], written_before: float) -> None:
+        removed = sum(atomic.remove_leftover_temp_files(d, written_before) for d in dirs)
+        if removed:
+            self.emit("daemon.cleaned", temp_files=removed)
 
     def _scanned(self, open_step_dirs: set[Path]) -> None:
         """After each scan: watch where sets can still change, and check the watches hold."""

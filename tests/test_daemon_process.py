@@ -105,7 +105,7 @@ def test_sigkill_during_a_job_then_restart_completes_the_set(
     assert not ws.report(s).exists() and not ws.sidecar(s).exists()
     assert ws.state()["sets"][s.id]["state"] == "running"  # what the dead daemon last wrote
     # What a crash in the middle of an atomic write leaves behind.
-    leftover = ws.report(s).parent / f"{TEMP_PREFIX}k1ll3d.{ws.report(s).name}"
+    leftover = ws.report(s).parent / f"{TEMP_PREFIX}{ws.report(s).name}.k1ll3d.tmp"
     leftover.parent.mkdir(parents=True, exist_ok=True)
     leftover.write_text("half a rep")
 

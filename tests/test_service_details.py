@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from tests.daemon_helpers import (
     Workspace,
     build_workspace,
     run_once_in_process,
+    wait_until,
 )
 from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import LLMServer
@@ -83,3 +85,31 @@ def test_the_inotify_stop_race_is_not_an_error_line(tmp_path: Path, llm_server: 
     d.stop()
     assert [e for e in ws.events() if e["level"] == "error"] == []
     assert ws.events("daemon.stopped")
+
+
+def test_temp_files_a_crash_left_in_loss_are_removed_after_ready_and_live_ones_kept(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    # The loss folders hold a folder per step: their cleanup runs after ready,
+    # and must not take a temp file of a write this daemon has in flight.
+    from skilltrain.daemon.atomic import TEMP_PREFIX
+
+    ws = workspace(tmp_path, llm_server.url)
+    reports = ws.report(S).parent
+    reports.mkdir(parents=True)
+    crashed = reports / f"{TEMP_PREFIX}{ws.report(S).name}.crash1.tmp"
+    crashed.write_text("half a rep")
+    old = time.time() - 60
+    os.utime(crashed, (old, old))
+    in_flight = reports / f"{TEMP_PREFIX}other_ep01-03.md.live22.tmp"
+    in_flight.write_text("being written")
+    later = time.time() + 30  # written after the daemon started
+    os.utime(in_flight, (later, later))
+
+    with InProcessDaemon(ws):
+        (cleaned,) = wait_until(lambda: ws.events("daemon.cleaned"), 10, message="the cleanup")
+        assert cleaned["temp_files"] == 1
+        assert not crashed.exists() and in_flight.exists()
+        wait_until(lambda: ws.has_report(S), 10, message="the report")
+    assert not [p for p in reports.iterdir() if p.name.endswith(".md") and
+                p.name.startswith(TEMP_PREFIX)]
