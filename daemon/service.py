@@ -73,7 +73,6 @@ class Daemon:
         self.heartbeat = notify.Heartbeat()  # the main loop, a scan or a job made progress
         self._waiting_for_root = False  # runs/ was deleted: waiting is healthy
         self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
-        self._next_flush_at = 0.0
         self.abandoned = 0
         self.scheduler = BackgroundScheduler(
             executors={"default": {"type": "threadpool", "max_workers": 2}},
@@ -250,27 +249,14 @@ class Daemon:
                 last_status = line
 
     def _flush_state(self) -> None:
-        """Write the state's changes since the last flush, at most every 10x
-        its last write's cost.
-
-        A flush costs the size of its batch (a millisecond or so for a tick's
-        changes; the first scan's 100,000 new sets take a second): a busy
-        daemon must not spend its time writing every tick.
-        """
-        now = time.monotonic()
-        if now < self._next_flush_at:
-            return
         try:
-            written = self.state.flush(pid=os.getpid())
+            self.state.flush_when_due(pid=os.getpid(), tick_s=LOOP_TICK_S)
         except OSError as e:
-            # A full disk must not take the daemon down; the state is a cache.
-            self._next_flush_at = now + 10 * LOOP_TICK_S
-            self.emit("state.write_failed", level="warning", path=str(self.state.path),
-                      error=e.strerror or type(e).__name__)
-            return
-        if written:
-            cost = time.monotonic() - now
-            self._next_flush_at = time.monotonic() + max(0.0, 10 * cost - LOOP_TICK_S)
+            self._state_write_failed(e)  # a full disk must not take the daemon down
+
+    def _state_write_failed(self, error: OSError) -> None:
+        self.emit("state.write_failed", level="warning", path=str(self.state.path),
+                  error=error.strerror or type(error).__name__)
 
     def _watcher_died(self) -> None:
         if self.watcher.root_replaced():
@@ -367,8 +353,7 @@ class Daemon:
         try:
             self.state.flush(force=True, pid=None)
         except OSError as e:
-            self.emit("state.write_failed", level="warning", path=str(self.state.path),
-                      error=e.strerror or type(e).__name__)
+            self._state_write_failed(e)
         self.state.close()
 
 
