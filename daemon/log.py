@@ -30,6 +30,7 @@ Cheap to import: structlog, the standard library and the leak guard only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import logging.handlers
@@ -107,6 +108,13 @@ _SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     ),
 )
 
+# All of _SECRET_PATTERNS in one search: most strings (names, paths, counts)
+# match none, and one search costs a seventh of the seven substitutions.
+_ANY_SECRET_SHAPE = re.compile("|".join(
+    f"(?{'i' if p.flags & re.I else ''}:{p.pattern.removeprefix('(?i)')})"
+    if p.flags & re.I else f"(?:{p.pattern})"
+    for p, _ in _SECRET_PATTERNS))
+
 # The configured keys, scrubbed by value: a provider's key may have no telltale shape.
 _SECRET_ENV_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD", "_ACCESS_KEY")
 _MIN_ENV_SECRET = 8  # shorter values ("1", "true") would shred ordinary text
@@ -150,16 +158,21 @@ def _scrub_str(text: str, env_secrets: list[str]) -> str:
     for secret in env_secrets:
         if secret in text:
             text = text.replace(secret, REDACTED)
+    if _ANY_SECRET_SHAPE.search(text) is None:
+        return text
     for pattern, replacement in _SECRET_PATTERNS:
         text = pattern.sub(replacement, text)
     return text
 
 
+@functools.lru_cache(maxsize=1024)  # field names: a few dozen, on every line
 def _is_secret_field(name: str) -> bool:
     return bool(_SECRET_FIELD.search(name.lower().replace("-", "_")))
 
 
 def _scrub_value(value: Any, env_secrets: list[str]) -> Any:
+    if type(value) is str:  # most fields: the cheapest test first
+        return _scrub_str(value, env_secrets)
     if value is None or isinstance(value, bool | int | float):
         return value
     if isinstance(value, str):
@@ -241,9 +254,30 @@ def _withhold_library_records(_logger: WrappedLogger, _name: str,
     }
 
 
+# Short strings repeat on every line (run, work, range, event and logger
+# names): their sealed text is kept, per set of answer keys.
+_SEALED_MAX_CHARS = 120
+_SEALED_MAX_ENTRIES = 4096
+_sealed: tuple[leakguard.AnswerKeys | None, dict[str, str]] = (None, {})
+
+
+def _seal_str(text: str, keys: leakguard.AnswerKeys) -> str:
+    global _sealed
+    if len(text) > _SEALED_MAX_CHARS:
+        return keys.clean(text)
+    owner, seen = _sealed
+    if owner is not keys or len(seen) >= _SEALED_MAX_ENTRIES:
+        seen = {}
+        _sealed = (keys, seen)
+    sealed = seen.get(text)
+    if sealed is None:
+        sealed = seen[text] = keys.clean(text)
+    return sealed
+
+
 def _seal(value: Any, keys: leakguard.AnswerKeys) -> Any:
     if isinstance(value, str):
-        return keys.clean(value)
+        return _seal_str(value, keys)
     if isinstance(value, Mapping):
         return {key: _seal(item, keys) for key, item in value.items()}
     if isinstance(value, list | tuple):
@@ -352,6 +386,14 @@ class _RenderOnce(logging.Formatter):
         record.__dict__["_skilltrain_rendered"] = (self, text)
         return text
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        """As each handler's filter: the line is rendered before the handler
+        takes its lock, so threads logging at once do not queue behind one
+        another's rendering (the leak check of every field), only its write."""
+        with contextlib.suppress(Exception):  # emit renders again, and reports it
+            self.format(record)
+        return True
+
 
 def _wants_console(stderr: TextIO, stderr_format: str) -> bool:
     if stderr_format == "auto":
@@ -404,9 +446,11 @@ def configure(
     root = logging.getLogger()
     json_lines = _RenderOnce(_json_formatter())
     console = logging.StreamHandler(stderr)
-    console.setFormatter(
-        _console_formatter() if _wants_console(stderr, stderr_format) else json_lines
-    )
+    if _wants_console(stderr, stderr_format):
+        console.setFormatter(_console_formatter())
+    else:
+        console.setFormatter(json_lines)
+        console.addFilter(json_lines)
     _handlers.append(console)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -415,6 +459,7 @@ def configure(
         file_handler = _ResilientFileHandler(log_file, encoding="utf-8",
                                              errors="backslashreplace")
         file_handler.setFormatter(json_lines)
+        file_handler.addFilter(json_lines)
         _handlers.append(file_handler)
     for handler in _handlers:
         root.addHandler(handler)

@@ -13,6 +13,7 @@ report and the sidecar are written together, atomically, at the end.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,7 +134,9 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                                    max_bytes=max_bytes))
 
     human, model = read_inputs()
-    _refuse_copies_of_the_answer_key(job, model)
+    # Read once per job: for the copy check now and the leak index after the call.
+    all_human = job.work.read_all_human()
+    _refuse_copies_of_the_answer_key(job, model, all_human)
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
@@ -145,8 +148,10 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     model_block = craft_prompt.format_episodes("Model", model)
     fields = dict(work=job.work.name, title=job.work.title,
                   episode_range=f"{job.first}-{job.last}", model_scripts=model_block)
+    slot = f"[model-scripts-{secrets.token_hex(8)}]"  # where the archive's model block goes
     prompt = template.render(human_scripts=human_block, **fields)
-    archive = template.render(human_scripts=_placeholder(human), **fields)
+    placeholder = _placeholder(human)
+    archive = template.render(human_scripts=placeholder, **fields)
     messages = build_messages(prompt, model_block, settings.model)
 
     prompt_tokens = _check_window(messages, settings.model, window, job)
@@ -166,9 +171,10 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"{completion.tokens_out:,} tokens out)")
 
     # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
-    key_index = leakguard.index_for(job.work.name, {**job.work.read_all_human(), **human})
+    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
     report, leaks = _guard(report, job, key_index, model, on_leak)
-    if leakguard.find_leaks(archive, key_index, allow_text=model_block):
+    skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
+    if _archive_leaks(archive, skeleton, slot, model_block, key_index):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
         raise RefusedError(f"template {template.path} renders human screenplay "
@@ -280,11 +286,48 @@ def _guard(report: str, job: LossJob, index: leakguard.HumanIndex, model: dict[i
     return leakguard.redact(report, leaks), len(leaks)
 
 
-def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str]) -> None:
+def _archive_leaks(archive: str, skeleton: str, slot: str, model_block: str,
+                   index: leakguard.HumanIndex) -> bool:
+    """Does the archive hold answer-key text outside the model's episodes?
+
+    The model block is allowed text (the writer's own files, already under
+    runs/) and most of the archive, so reading all of it costs ~1 ms a job
+    for nothing: when the archive is the skeleton (the template rendered
+    with `slot` for the model block) with the block pasted in verbatim, only
+    the skeleton's pieces are checked, each with the block's edges beside it
+    (more words than a leak window), so that a passage running across a seam
+    is still seen. A template that changes the block (a filter) gets the
+    check of the whole archive.
+    """
+    pieces = skeleton.split(slot)
+    if len(pieces) == 1 or model_block.join(pieces) != archive:
+        return bool(leakguard.find_leaks(archive, index, allow_text=model_block))
+    head, tail = _block_edges(model_block, index.long_n)
+    for k, piece in enumerate(pieces):
+        text = (tail if k > 0 else "") + piece + (head if k < len(pieces) - 1 else "")
+        # The whole block is allowed, as before; its shingles are built only on a hit.
+        if leakguard.find_leaks(text, index, allow_text=model_block):
+            return True
+    return False
+
+
+def _block_edges(block: str, words: int) -> tuple[str, str]:
+    """The block's first and last characters holding more than `words` words each
+    (one more: a cut may split a word or an escape at the far end)."""
+    size = 256
+    while True:
+        head, tail = block[:size], block[-size:]
+        if size >= len(block) or min(len(leakguard.tokens(head)),
+                                     len(leakguard.tokens(tail))) > words:
+            return head, tail
+        size *= 4
+
+
+def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],
+                                     all_human: dict[int, str]) -> None:
     """A model episode with the content of any human episode of the work (a hard
     link, a copy) is the answer key under another name: never sent, never archived."""
-    human_hashes = {dataset.sha256_text(text): n
-                    for n, text in job.work.read_all_human().items()}
+    human_hashes = {dataset.sha256_text(text): n for n, text in all_human.items()}
     for n, text in sorted(model.items()):
         human_n = human_hashes.get(dataset.sha256_text(text))
         if human_n is not None:

@@ -233,6 +233,48 @@ def test_scrub_leaves_ordinary_text_alone() -> None:
     assert scrub(Path("/srv/runs/r7")) == "/srv/runs/r7"
 
 
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("key sk-ant-api03-AbCdEfGhIjKlMnOpQrStUv refused", "AbCdEfGhIjKlMnOpQrStUv"),
+        ("sent Bearer opaque-bearer-value-77 upstream", "opaque-bearer-value-77"),
+        ("as AKIAIOSFODNN7EXAMPLE in us-east-1", "AKIAIOSFODNN7EXAMPLE"),
+        ("with AIzaSyA1234567890abcdefghijklmnopqrstu here", "SyA1234567890abcdefghijklmnopqrstu"),
+        ("token ghp_0123456789abcdefghijklmnopqrstuvwxyz ok", "456789abcdefghijklmnopqrstuvwxyz"),
+        ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl x", "c2lnbmF0dXJl"),
+        ("header X-Api-Key: d41d8cd98f00b204e9800998ecf8427e set", "d41d8cd98f00b204e98"),
+    ],
+    ids=["sk", "bearer", "aws", "google", "github", "jwt", "key-value"],
+)
+def test_every_secret_shape_is_scrubbed_inside_free_text(text: str, secret: str) -> None:
+    # One combined search decides whether a string needs the substitutions:
+    # each shape must pass it.
+    scrubbed = scrub(text)
+    assert secret not in scrubbed and "[redacted]" in scrubbed
+
+
+def test_a_line_is_sealed_against_the_answer_keys_installed_when_it_is_written(
+    log_file: Path,
+) -> None:
+    from skilltrain.daemon import leakguard
+
+    passage = "Mara counts the crates twice and never writes the number down anywhere."
+    configure(log_file=log_file, stderr=io.StringIO())
+    try:
+        leakguard.install(leakguard.AnswerKeys([leakguard.HumanIndex.build(
+            "other", {1: "A different screenplay about a lighthouse keeper and his dog."})]))
+        get_logger().info("test.before", note=passage)
+        leakguard.install(leakguard.AnswerKeys([leakguard.HumanIndex.build(
+            "docks", {1: f"INT. DOCK - NIGHT\n\n{passage}\n"})]))
+        get_logger().info("test.after", note=passage)
+    finally:
+        leakguard.install(None)
+    before, after = read_lines(log_file)
+    assert before["note"] == passage  # no installed work held it then
+    assert after["note"].startswith(leakguard.REDACTION_MARKER)
+    assert "crates twice" not in after["note"]
+
+
 def test_console_on_a_tty_json_otherwise(log_file: Path) -> None:
     tty = FakeTTY()
     configure(log_file=log_file, stderr=tty)

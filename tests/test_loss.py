@@ -366,6 +366,32 @@ def test_report_quoting_the_answer_key_is_refused_when_configured(
     assert_nothing_written(job, tmp_path)
 
 
+@pytest.mark.parametrize("slot", ["{{ model_scripts }}", "{{ model_scripts | upper }}"],
+                         ids=["verbatim", "filtered"])
+def test_answer_key_passage_across_the_seam_of_template_and_model_block_is_refused(
+    tmp_path: Path, work_copy: Path, job: loss.LossJob, settings: SettingsFactory, slot: str
+) -> None:
+    """The archive check skips the model block but not its edges: a human line
+    made of the template's last words before the block, the block's header and
+    its first words is in no one piece, and still in the archive."""
+    ep01 = work_copy / "human" / "ep01.txt"
+    ep01.write_text(ep01.read_text(encoding="utf-8")
+                    + "\nUp close, the stencil says MODEL EP 01 FERRY LINE in red.\n",
+                    encoding="utf-8")
+    first = job.scripts_dir / "ep01.txt"
+    first.write_text("FERRY LINE in red.\n\n" + first.read_text(encoding="utf-8"),
+                     encoding="utf-8")
+    templates = _template_copy(tmp_path, "{{ model_scripts }}",
+                               "Up close, the stencil says\n\n" + slot)
+    seam = loss.LossJob(work=dataset.load_work(work_copy), scripts_dir=job.scripts_dir,
+                        report_path=job.report_path, first=1, last=3)
+
+    with pytest.raises(RefusedError, match="outside human_scripts"):
+        run(seam, settings(), templates=templates)
+
+    assert_nothing_written(seam, tmp_path)
+
+
 # --------------------------------------------------------------------------- input refusals
 
 
