@@ -30,14 +30,10 @@ Cheap to import: structlog, the standard library and the leak guard only.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import logging.handlers
-import os
-import re
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -49,6 +45,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 from . import leakguard
 from .dataset import format_range
+from .log_scrub import scrub, scrub_secrets
 
 __all__ = [
     "LEVELS",
@@ -81,44 +78,6 @@ NOISY_LOGGERS = (
     "watchdog",
 )
 
-REDACTED = "[redacted]"
-
-# Field names whose value is a credential whatever it looks like. Anchored at the
-# end so `tokens_in` / `prompt_tokens` (counts, not credentials) stay visible.
-_SECRET_FIELD = re.compile(
-    r"(?:^|_)(?:api_?key|apikey|token|secret|password|passwd|authorization|auth"
-    r"|credentials?|private_key|access_key|secret_key|cookie)$"
-)
-
-# Strings that look like credentials wherever they appear (messages, exception text).
-_SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_\-]{10,}"), REDACTED),
-    (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]{8,}", re.I), r"\1 " + REDACTED),
-    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
-    (re.compile(r"\bAIza[0-9A-Za-z_\-]{30,}"), REDACTED),
-    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{30,}"), REDACTED),
-    (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*"), REDACTED),
-    # key=..., "api_key": "...", x-api-key: ..., ?token=...: a long opaque value.
-    (
-        re.compile(
-            r"(?i)\b([\w-]*(?:key|token|secret|password|passwd))"
-            r"([\"']?\s*[=:]\s*[\"']?)([A-Za-z0-9+/_\-.~]{12,}={0,2})"
-        ),
-        r"\1\2" + REDACTED,
-    ),
-)
-
-# All of _SECRET_PATTERNS in one search: most strings (names, paths, counts)
-# match none, and one search costs a seventh of the seven substitutions.
-_ANY_SECRET_SHAPE = re.compile("|".join(
-    f"(?{'i' if p.flags & re.I else ''}:{p.pattern.removeprefix('(?i)')})"
-    if p.flags & re.I else f"(?:{p.pattern})"
-    for p, _ in _SECRET_PATTERNS))
-
-# The configured keys, scrubbed by value: a provider's key may have no telltale shape.
-_SECRET_ENV_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD", "_ACCESS_KEY")
-_MIN_ENV_SECRET = 8  # shorter values ("1", "true") would shred ordinary text
-
 _MAX_EXC_VALUE = 1000
 
 # Keys first in every JSON line, so `cat` and `grep` read naturally.
@@ -126,85 +85,6 @@ _KEY_ORDER = ("timestamp", "level", "event", "run", "epoch", "step", "work", "ra
 
 _handlers: list[logging.Handler] = []
 _structlog_ready = False
-
-
-# --------------------------------------------------------------------------- scrubbing
-
-
-_env_secrets_cache: tuple[float, int, list[str]] = (-1.0, -1, [])
-_ENV_SECRETS_TTL_S = 1.0
-
-
-def _env_secrets() -> list[str]:
-    # Re-read when a variable was added or removed, and at least every second:
-    # a key set after configure() (tests, a late env file) is still covered,
-    # without walking os.environ for every line.
-    global _env_secrets_cache
-    now = time.monotonic()
-    checked_at, size, cached = _env_secrets_cache
-    if size == len(os.environ) and now - checked_at < _ENV_SECRETS_TTL_S:
-        return cached
-    values = {
-        value
-        for name, value in os.environ.items()
-        if name.upper().endswith(_SECRET_ENV_SUFFIXES) and len(value) >= _MIN_ENV_SECRET
-    }
-    secrets = sorted(values, key=len, reverse=True)
-    _env_secrets_cache = (now, len(os.environ), secrets)
-    return secrets
-
-
-def _scrub_str(text: str, env_secrets: list[str]) -> str:
-    for secret in env_secrets:
-        if secret in text:
-            text = text.replace(secret, REDACTED)
-    if _ANY_SECRET_SHAPE.search(text) is None:
-        return text
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-@functools.lru_cache(maxsize=1024)  # field names: a few dozen, on every line
-def _is_secret_field(name: str) -> bool:
-    return bool(_SECRET_FIELD.search(name.lower().replace("-", "_")))
-
-
-def _scrub_value(value: Any, env_secrets: list[str]) -> Any:
-    if type(value) is str:  # most fields: the cheapest test first
-        return _scrub_str(value, env_secrets)
-    if value is None or isinstance(value, bool | int | float):
-        return value
-    if isinstance(value, str):
-        return _scrub_str(value, env_secrets)
-    if isinstance(value, Mapping):
-        return {
-            key: (
-                REDACTED
-                if isinstance(key, str) and _is_secret_field(key) and value[key] is not None
-                else _scrub_value(value[key], env_secrets)
-            )
-            for key in value
-        }
-    if isinstance(value, list | tuple | set | frozenset):
-        return [_scrub_value(item, env_secrets) for item in value]
-    # Paths, exceptions, arbitrary objects: their text is what a renderer would show.
-    return _scrub_str(str(value), env_secrets)
-
-
-def scrub(value: Any) -> Any:
-    """Return `value` with credentials replaced by "[redacted]" (recursively)."""
-    return _scrub_value(value, _env_secrets())
-
-
-def scrub_secrets(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
-    """Processor: scrub every field, including a rendered `exception`."""
-    # exc_info (True, a tuple or an exception) is rendered later, then scrubbed.
-    exc_info = event_dict.pop("exc_info", None)
-    scrubbed: EventDict = scrub(event_dict)
-    if exc_info is not None:
-        scrubbed["exc_info"] = exc_info
-    return scrubbed
 
 
 def _cap_exception_text(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
