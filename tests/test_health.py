@@ -153,7 +153,7 @@ def test_a_later_look_never_postpones_an_earlier_pending_one(
     `_SUCCESS` event that asked for a look now: the earlier look must stay."""
     from skilltrain.daemon import reconcile
 
-    monkeypatch.setattr(reconcile, "HINT_DEBOUNCE_S", 1.0)  # room to race it by hand
+    monkeypatch.setattr(reconcile, "HINT_DEBOUNCE_S", 3.0)  # room to race it by hand
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=30.0)
     (s,) = ws.sets_of_step("r1", 1, 1)
     key = layout.SetKey(s.run, s.epoch, s.step, s.work, s.first, s.last)
@@ -168,9 +168,9 @@ def test_a_later_look_never_postpones_an_earlier_pending_one(
         return job is not None and job.next_run_time.timestamp() < time.time() + seconds
 
     (scripts / "_SUCCESS").write_bytes(b"")
-    wait_until(lambda: pending_in(2.0), 5, message="the look _SUCCESS asked for")
+    wait_until(lambda: pending_in(4.0), 5, message="the look _SUCCESS asked for")
     d.daemon.reconcile.schedule_evaluate(key, at_s=time.time() + 30)  # the racing settle wait
-    assert pending_in(2.0)
+    assert pending_in(4.0)
     wait_until(lambda: ws.has_report(s), 10, message="the report, long before 30 s")
 
 
