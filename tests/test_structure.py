@@ -41,8 +41,10 @@ def imports(path: Path) -> Iterator[tuple[ast.ImportFrom | ast.Import, Path | No
 def resolves(target: Path, names: list[str]) -> bool:
     if target.with_suffix(".py").is_file():
         return True
+    # `from . import a, b`: each name is a module (our __init__.py files define nothing).
     return target.is_dir() and all(
-        (target / f"{name}.py").is_file() or (target / "__init__.py").is_file() for name in names
+        (target / f"{name}.py").is_file() or (target / name / "__init__.py").is_file()
+        for name in names
     )
 
 
@@ -55,7 +57,7 @@ def test_every_import_of_our_code_is_relative_and_names_an_existing_file(path: P
             continue
         assert isinstance(node, ast.ImportFrom)
         names = [alias.name for alias in node.names]
-        assert resolves(target, names), f"line {node.lineno}: {target} not found"
+        assert resolves(target, names), f"line {node.lineno}: {target} {names} not found"
     source = path.read_text(encoding="utf-8")
     assert "from skilltrain" not in source and "import skilltrain" not in source
 
