@@ -17,8 +17,10 @@ $(STAMP): requirements-dev.lock pyproject.toml
 example: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/example.sh
 
+# Two workers (pytest-xdist): the suite's tests are independent, and most of
+# their time is waiting on daemons, subprocesses and loopback servers.
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -367,9 +367,13 @@ def test_touch_without_a_change_is_not_redone(
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=0.5)
     sets = ws.write_step("r1", 1, 1)
     d = start(ws)
-    wait_until(lambda: all_reported(ws, sets), 20, message="the first report")
-    before = d.daemon.state.get(sets[0].id)
-    assert before is not None and before.state == "done"
+    # The report is on disk a moment before the state says done: wait for what is asserted.
+    before = wait_until(
+        lambda: (rec := d.daemon.state.get(sets[0].id)) is not None and rec.state == "done"
+        and all_reported(ws, sets) and rec,
+        20,
+        message="the first report, recorded done",
+    )
     recorded = before.fingerprint
     os.utime(ws.scripts("r1", 1, 1, "alpha") / "ep01.txt", (time.time() + 5, time.time() + 5))
     # The daemon looked (its recorded stat fingerprint moved on) and found it up to date.
@@ -819,9 +823,13 @@ def test_budget_reached_stops_later_sets_of_the_run(
     assert stays(lambda: llm_server.request_count == 1, 0.8)
     assert len(ws.events("budget.reached")) == 1
     assert not any(ws.has_report(s) for s in later)
-    assert all(d.daemon.state.get(s.id).reason == "budget reached" for s in later)
-    # Held back, not still being written.
-    assert {d.daemon.state.get(s.id).state for s in later} == {"held"}
+    # Held back, not still being written (each set is recorded held when it is looked at).
+    wait_until(
+        lambda: all((r := d.daemon.state.get(s.id)) is not None and r.state == "held"
+                    and r.reason == "budget reached" for s in later),
+        5,
+        message="every later set held for the budget",
+    )
 
 
 def test_budget_also_holds_back_jobs_queued_before_it_was_reached(
@@ -836,7 +844,8 @@ def test_budget_also_holds_back_jobs_queued_before_it_was_reached(
         f"{llm_server.request_count} LLM requests after the first report spent 4x the budget"
     )
     assert sum(ws.has_report(s) for s in sets) == 1
-    assert len(ws.events("budget.reached")) == 1
+    wait_until(lambda: ws.events("budget.reached"), 5, message="budget.reached")
+    assert stays(lambda: len(ws.events("budget.reached")) == 1, 0.3)
 
 
 # ----------------------------------------------------------------- runs/ removed
