@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))  # tests/: the loopback server and the workspace b
 
 from skilltrain.daemon import dataset  # noqa: E402
 from skilltrain.daemon.config import IntegrityConfig  # noqa: E402
+from skilltrain.daemon.observe import FileSig, sigs_digest  # noqa: E402
 from skilltrain.daemon.templates import PromptTemplates  # noqa: E402
 from tests.daemon_helpers import (  # noqa: E402
     LOG_NAME,
@@ -651,6 +652,9 @@ class ScaleShape:
     works: int = 10
     episodes: int = 5  # one report per work and step: ranges = [[1, 5]]
     episode_bytes: int = 2000
+    # Sidecars as the handler writes them since issue 21 (with the episodes'
+    # stat signature); False: as older daemons wrote them (content hashes only).
+    stat_sigs: bool = True
 
     @property
     def sets(self) -> int:
@@ -725,6 +729,9 @@ def _scale_set(
         "report_sha256": dataset.sha256_text(text),
         "finish_reason": "stop",
     }
+    if shape.stat_sigs:
+        sidecar["model_stat_sigs"] = sigs_digest(tuple(
+            (n, FileSig.of(os.lstat(folder / dataset.episode_name(n)))) for n in model))
     with open(report.with_suffix(".json"), "w", encoding="utf-8") as f:
         json.dump(sidecar, f, indent=2)
     return shape.episodes + 3, 3  # files: episodes, _SUCCESS, report, sidecar
@@ -1083,6 +1090,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=20)
     g.add_argument("--works", type=int, default=10)
     g.add_argument("--episode-bytes", type=int, default=2000)
+    g.add_argument(
+        "--old-sidecars",
+        action="store_true",
+        help="sidecars without the episodes' stat signature (as written before issue 21): "
+        "a cold start then hashes every episode",
+    )
     return parser
 
 
@@ -1110,7 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
             print_table("pickup latency", rows)
         if args.which in ("scale", "all"):
             shape = ScaleShape(
-                args.runs, args.epochs, args.steps, args.works, episode_bytes=args.episode_bytes
+                args.runs, args.epochs, args.steps, args.works, episode_bytes=args.episode_bytes,
+                stat_sigs=not args.old_sidecars,
             )
             opts = ScaleOptions(
                 shape, args.idle_seconds, args.audit, args.scale_dir, args.quiet_limit, args.tree,

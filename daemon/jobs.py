@@ -201,7 +201,7 @@ class Jobs:
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=work, scripts_dir=key.scripts_dir(self.runs),
                            report_path=key.report_path(self.runs), first=key.first,
-                           last=key.last)
+                           last=key.last, stat_sigs=fp.sigs)
 
         def started(chars: int, tokens: int | None) -> None:
             self.emit("loss.started", prompt_chars=chars, prompt_tokens=tokens,

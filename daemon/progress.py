@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -165,13 +166,51 @@ def step_fields(runs: Path, step: layout.StepKey) -> dict[str, Any]:
     earlier = _previous_reported(runs, step)
     previous = None
     if earlier:
-        before = layout.StepKey(step.run, *earlier)
-        previous = summarize(step.run, before.epoch, before.step,
-                             step_sidecars(before.reports_dir(runs)), None).craft_distance
+        previous = _step_distance(layout.StepKey(step.run, *earlier).reports_dir(runs))
     row = summarize(step.run, step.epoch, step.step,
                     step_sidecars(step.reports_dir(runs)), previous)
+    _remember_distance(step.reports_dir(runs), row.craft_distance)
     return {"craft_distance": row.craft_distance,
             "craft_distance_change": row.craft_distance_change}
+
+
+# reports folder -> (its (inode, mtime_ns) when read, the mean craft distance).
+# Each step.reported needs the step before's mean: a scan reporting a whole
+# run step by step would read every sidecar twice. A report lands by rename,
+# which moves the folder's mtime, so an unchanged stamp is an unchanged mean.
+_RACY_NS = 2_000_000_000  # a stamp this fresh may hide a second change in its tick
+_MAX_REMEMBERED = 4096
+_distances: dict[Path, tuple[tuple[int, int], float | None]] = {}
+
+
+def _folder_stamp(folder: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    if time.time_ns() - st.st_mtime_ns < _RACY_NS:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _step_distance(reports_dir: Path) -> float | None:
+    stamp = _folder_stamp(reports_dir)
+    known = _distances.get(reports_dir)
+    if stamp is not None and known is not None and known[0] == stamp:
+        return known[1]
+    distance = summarize("", 0, 0, step_sidecars(reports_dir), None).craft_distance
+    _remember_distance(reports_dir, distance, stamp)
+    return distance
+
+
+def _remember_distance(reports_dir: Path, distance: float | None,
+                       stamp: tuple[int, int] | None = None) -> None:
+    stamp = stamp or _folder_stamp(reports_dir)
+    if stamp is None:
+        return
+    if len(_distances) >= _MAX_REMEMBERED:
+        _distances.clear()
+    _distances[reports_dir] = (stamp, distance)
 
 
 def _numbers(sidecars: Sequence[dict[str, Any]], key: str) -> list[float]:

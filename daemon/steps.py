@@ -82,16 +82,22 @@ class Steps:
                 rec = self.state.step(step.id)  # only now: it marks the state for a write
             if first_time:
                 rec.reported_at = self.clock()
-            if due:
+            no_command = due and not self.cfg.optimizer.command
+            if no_command:
+                rec.optimizer_done = True  # event only: consumers tail the log
+                due = False
+            elif due:
                 rec.optimizer_attempts += 1
                 self._pending.add(step.id)  # decided and claimed under one lock
+        if first_time or no_command:
+            self._write_marker(step)  # one write says both when there is nothing to run
         if first_time:
-            self._write_marker(step)
             again: dict[str, Any] = ({"again": True, "reason": rec.reopened_reason}
                                      if rec.generation else {})
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
                       **again, **progress.step_fields(self.runs, step))
+        if first_time or no_command:
             self.loop.notice(step)
         if due:
             self._trigger_optimizer(step)
@@ -175,13 +181,6 @@ class Steps:
 
     # -------------------------------------------------------------- optimizer
     def _trigger_optimizer(self, step: layout.StepKey) -> None:
-        if not self.cfg.optimizer.command:
-            with self.state.lock:
-                self.state.step(step.id).optimizer_done = True  # event only: consumers tail the log
-                self._pending.discard(step.id)
-            self._write_marker(step)
-            self.loop.notice(step)
-            return
         future = self.pool.submit(self._run_optimizer, step)
         future.add_done_callback(log.report_task_failure)
         with self._futures_lock:

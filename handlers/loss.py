@@ -53,6 +53,10 @@ class LossJob:
     report_path: Path
     first: int
     last: int
+    # The daemon's stat signature of the episodes when it queued the job
+    # (observe.sigs_digest): kept in the sidecar, it lets a start that lost its
+    # state tell "unchanged since the report" without hashing every episode.
+    stat_sigs: str | None = None
 
     @property
     def range_label(self) -> str:
@@ -191,6 +195,7 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         "inputs": hashes.as_dict(),
         "model_episodes": {dataset.episode_name(n): dataset.sha256_text(t)
                            for n, t in model.items()},
+        **({"model_stat_sigs": job.stat_sigs} if job.stat_sigs else {}),
         "report_sha256": dataset.sha256_text(report_text),
         "finish_reason": completion.finish_reason,
         "tokens_in": completion.tokens_in,
