@@ -72,6 +72,12 @@ class Metrics:
                                     ["run"], registry=r)
         self.steps_reported = Counter(f"{PREFIX}_steps_reported", "Steps fully reported",
                                       ["run"], registry=r)
+        self.startup_scan = Gauge(f"{PREFIX}_startup_scan_sets",
+                                  "The start-up scan: sets looked at, and in the tree",
+                                  ["of"], registry=r)
+        self.startup_catching_up = Gauge(f"{PREFIX}_startup_catching_up",
+                                         "1 while the start-up scan runs (ready, not caught up)",
+                                         registry=r)
         for kind in ("failed", "refused"):
             self.set_failures.labels(kind)  # present at 0 from the first scrape
         for kind in TOKEN_KINDS:
@@ -97,6 +103,15 @@ class Metrics:
             distance = fields.get("craft_distance")
             if isinstance(distance, int | float):
                 self.craft_distance.labels(run).set(distance)
+
+    def catching_up(self, looked: int, total: int) -> None:
+        """The start-up scan's progress."""
+        self.startup_catching_up.set(1)
+        self.startup_scan.labels("looked").set(looked)
+        self.startup_scan.labels("total").set(total)
+
+    def caught_up(self) -> None:
+        self.startup_catching_up.set(0)
 
     def timed(self, fn: F) -> F:
         """`fn` (the LLM completion), observed in skilltrain_llm_request_seconds."""

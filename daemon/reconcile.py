@@ -35,8 +35,10 @@ from .templates import PromptTemplates
 
 HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
 RESCAN_DEBOUNCE_S = 0.5
+PROGRESS_EVERY_S = 1.0  # a long scan says how far it is this often
 
 Emit = Callable[..., None]
+ScanProgress = Callable[[int, int], None]  # (sets looked at, sets in the scan)
 
 
 class Reconciler:
@@ -74,12 +76,14 @@ class Reconciler:
         self._scan_wanted = False  # asked for while one ran: it goes round once more
 
     # ------------------------------------------------------------------- scan
-    def scan(self) -> None:
+    def scan(self, progress: ScanProgress | None = None) -> None:
         """Level-triggered reconciliation: look at every set under runs/.
 
         One full scan at a time (the periodic resync and a rescan can fall
         due together): a scan asked for while one runs makes that one go
-        round once more, so what prompted it is still seen.
+        round once more, so what prompted it is still seen. `progress(seen,
+        total)` is called about once a second (the start-up's catch-up scan
+        says how far it is); a stop ends the scan where it is.
         """
         with self._scan_guard:
             if self._scanning:
@@ -88,7 +92,7 @@ class Reconciler:
             self._scanning = True
         try:
             while True:
-                self._scan_tree()
+                self._scan_tree(progress)
                 with self._scan_guard:
                     if not self._scan_wanted or self.stopping.is_set():
                         break
@@ -97,17 +101,31 @@ class Reconciler:
             with self._scan_guard:
                 self._scanning = self._scan_wanted = False
 
-    def _scan_tree(self) -> None:
+    def _scan_tree(self, progress: ScanProgress | None) -> None:
         t0 = time.monotonic()
         self._template_hash = None  # a scan reads the template afresh
         self.discovery.begin_scan()
         steps = dict(self.discovery.steps())
+        total = sum(len(keys) for keys in steps.values())
+        looked = 0
+        said_at = time.monotonic()
         for keys in steps.values():
             for key in keys:
                 try:
                     self.evaluate(key)
                 except Exception:
                     self.log.exception("set.error", **key.log_fields())
+                looked += 1
+                if self.stopping.is_set():
+                    # Cut short: what was not looked at is not gone, so
+                    # nothing (sets, steps, notices) is forgotten.
+                    return
+                if progress is not None and time.monotonic() - said_at >= PROGRESS_EVERY_S:
+                    progress(looked, total)
+                    said_at = time.monotonic()
+                    self.heartbeat.beat()
+        if progress is not None:
+            progress(total, total)
         seen = {key.id for keys in steps.values() for key in keys}
         with self.state.lock:
             for set_id in set(self.state.sets) - seen:
@@ -237,7 +255,7 @@ class Reconciler:
         human = self.human_digests.digest(work, key.first, key.last) or ""
         fp = Fingerprint.of(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
         recorded = Fingerprint.from_json(rec.fingerprint) if rec and rec.fingerprint else None
-        if human and report_is_current(key, self.runs, fp, recorded, self.cfg.paths.data):
+        if human and report_is_current(key, self.runs, fp, recorded):
             if rec is None or rec.state != SetState.DONE or recorded != fp:
                 self.state.update(key.id, SetState.DONE, reason=None, attempts=0,
                                   fingerprint=fp.as_json(), next_retry_at=None)

@@ -71,7 +71,11 @@ class Daemon:
         self.metrics = Metrics(lambda: self.state.counts(), [s.value for s in SetState])
         self.templates = PromptTemplates(cfg.paths.prompts)
         self.heartbeat = notify.Heartbeat()  # the main loop, a scan or a job made progress
+        self.pinger = notify.WatchdogPinger(self.notifier, self.healthy, self.stop_event,
+                                            on_unhealthy=self._unhealthy)
         self._waiting_for_root = False  # runs/ was deleted: waiting is healthy
+        self.catching_up = not once  # until the start-up's first scan has looked at every set
+        self._ready_at = 0.0
         self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
         self.abandoned = 0
         self.scheduler = BackgroundScheduler(
@@ -147,31 +151,58 @@ class Daemon:
         if self.cfg.metrics.listen and not self.once:
             self.metrics.serve(self.cfg.metrics.listen)  # a bad address stops us here (exit 2)
         self.scheduler.start()
-        # The first scan runs alone: watchdog's initial walk (one watch per
-        # folder) and litellm's import would triple its time on a large tree.
-        # What changes before the watch is up is caught by a catch-up scan.
-        self.reconcile.scan()
-        if not self.once:
-            # Pay litellm's ~5 s import now, not in the first job's pickup latency.
-            threading.Thread(target=llm.warm_up, args=[self.cfg.llm.model],
-                             name="litellm-import", daemon=True).start()
-            self.watcher.start()
-            self.reconcile.schedule_scan()
-            interval = self.cfg.watch.resync_seconds
-            self.scheduler.add_job(self.reconcile.scan, "interval", seconds=interval,
-                                   id="resync", jitter=max(1, int(interval * RESYNC_JITTER)),
-                                   replace_existing=True)
-            self.loop.start()
-        self.notifier.ready()
-        self.emit("daemon.ready", observer=self.watcher.kind or "none")
-        if not self.once:
-            # A folder per report step: on a large tree, seconds of directory
-            # reads that would hold up ready. Nothing reads a temp file meanwhile
-            # (exact names, and temp names end in .tmp); our own writes are newer.
-            threading.Thread(target=lambda: self._clean_leftovers(self._loss_dirs(), started_at),
-                             name="cleanup", daemon=True).start()
-        if self.cfg.integrity.audit_on_start and not self.once:
+        if self.once:
+            self.reconcile.scan()
+            self._ready()
+            return
+        # Ready before the first scan (systemd/README.md, "When is it ready"):
+        # the state is loaded and the watcher up, so nothing is missed from
+        # here on, and a scan of a tree of any size cannot outlast systemd's
+        # start timeout. The scan says how far it is (STATUS=, a metric,
+        # `skilltrain status`) and keeps the watchdog fed while it runs.
+        self.watcher.start()
+        self.pinger.start()
+        self._ready()
+        self.reconcile.scan(progress=self._catching_up)
+        if self.stop_event.is_set():
+            return  # stopped while catching up: the next start goes on from the state
+        self.catching_up = False
+        self.metrics.caught_up()
+        self.emit("daemon.caught_up", sets=sum(self.state.counts().values()),
+                  duration_ms=int((time.monotonic() - self._ready_at) * 1000))
+        # litellm's import (~5 s) after the scan, which it would slow, and
+        # before the first job's pickup latency would pay for it.
+        threading.Thread(target=llm.warm_up, args=[self.cfg.llm.model],
+                         name="litellm-import", daemon=True).start()
+        # What changed in a part of the tree the first scan had passed before
+        # its step was watched: one more scan finds it.
+        self.reconcile.schedule_scan()
+        interval = self.cfg.watch.resync_seconds
+        self.scheduler.add_job(self.reconcile.scan, "interval", seconds=interval,
+                               id="resync", jitter=max(1, int(interval * RESYNC_JITTER)),
+                               replace_existing=True)
+        self.loop.start()
+        # A folder per report step: on a large tree, seconds of directory
+        # reads. Nothing reads a temp file meanwhile (exact names, and temp
+        # names end in .tmp); our own writes are newer.
+        threading.Thread(target=lambda: self._clean_leftovers(self._loss_dirs(), started_at),
+                         name="cleanup", daemon=True).start()
+        if self.cfg.integrity.audit_on_start:
             threading.Thread(target=self.audit, name="audit", daemon=True).start()
+
+    def _ready(self) -> None:
+        self._ready_at = time.monotonic()
+        if self.catching_up:
+            self.metrics.catching_up(0, 0)
+        self.notifier.ready()
+        self.emit("daemon.ready", observer=self.watcher.kind or "none",
+                  catching_up=self.catching_up)
+
+    def _catching_up(self, looked: int, total: int) -> None:
+        """The start-up scan's progress: systemd's STATUS=, the metric, the state."""
+        self.notifier.status(f"catching up: {looked:,} of {total:,} sets looked at")
+        self.metrics.catching_up(looked, total)
+        self._flush_state()  # a start killed now keeps what it has looked at
 
     def _install_answer_keys(self) -> None:
         """Every work's index, for what belongs to no one work: log lines, error reasons."""
@@ -233,9 +264,7 @@ class Daemon:
 
     def run_forever(self) -> None:
         """The main thread's loop: health, state flush, status; until stopped."""
-        pinger = notify.WatchdogPinger(self.notifier, self.healthy, self.stop_event,
-                                       on_unhealthy=self._unhealthy)
-        pinger.start()
+        self.pinger.start()  # started already at ready, unless start() was cut short
         last_status = ""
         while not self.stop_event.wait(LOOP_TICK_S):
             self.heartbeat.beat()
