@@ -102,9 +102,9 @@ def _loss(args: argparse.Namespace) -> int:
 
 
 def _daemon(args: argparse.Namespace) -> int:
-    from . import service
+    from . import process
 
-    return service.main(config_path=args.config, once=args.once)
+    return process.main(config_path=args.config, once=args.once)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -266,7 +266,7 @@ def report_is_current(key: SetKey, runs: Path, fingerprint: Fingerprint,
         return True
     data = loss.read_sidecar(Path(report))
     inputs = data.get("inputs") if data else None
-    if not isinstance(inputs, dict):
+    if data is None or not isinstance(inputs, dict):
         return False
     if (inputs.get("human_sha256") != fingerprint.human
             or inputs.get("template_sha256") != fingerprint.template

@@ -19,21 +19,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import UTC
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer
-from . import atomic, config, layout, llm, log, notify
+from . import atomic, config, dataset, layout, llm, log, notify
 from .discovery import Discovery, subdirs
-from .errors import ConfigError, ExitCode, SkilltrainError
+from .errors import ConfigError, ExitCode
 from .jobs import Budget, Claims, Jobs
 from .lock import RunsLock
 from .loop import Loop
@@ -138,11 +136,11 @@ class Daemon:
         # Temp files of writes a crash cut short: the state folder's now (it
         # is read next); the loss folders' too with --once, else after ready.
         started_at = self.clock()
-        self._clean_leftovers([self.runs / layout.STATE_DIR, *(self._loss_dirs() if self.once
+        self._clean_leftovers([self.runs / layout.STATE_DIR, *(_loss_dirs(self.runs) if self.once
                                                                else [])], started_at)
         self.loop.prepare()
         self.discovery.load_works()
-        self._install_answer_keys()
+        _install_answer_keys(self.discovery.works)
         self.discovery.check_human_ranges()
         problem = self.state.load()
         if problem:
@@ -156,10 +154,8 @@ class Daemon:
             self._ready()
             return
         # Ready before the first scan (systemd/README.md, "When is it ready"):
-        # the state is loaded and the watcher up, so nothing is missed from
-        # here on, and a scan of a tree of any size cannot outlast systemd's
-        # start timeout. The scan says how far it is (STATUS=, a metric,
-        # `skilltrain status`) and keeps the watchdog fed while it runs.
+        # nothing is missed from here on, and a tree of any size cannot
+        # outlast systemd's start timeout; the scan feeds the watchdog.
         self.watcher.start()
         self.pinger.start()
         self._ready()
@@ -185,10 +181,15 @@ class Daemon:
         # A folder per report step: on a large tree, seconds of directory
         # reads. Nothing reads a temp file meanwhile (exact names, and temp
         # names end in .tmp); our own writes are newer.
-        threading.Thread(target=lambda: self._clean_leftovers(self._loss_dirs(), started_at),
+        threading.Thread(target=lambda: self._clean_leftovers(_loss_dirs(self.runs), started_at),
                          name="cleanup", daemon=True).start()
         if self.cfg.integrity.audit_on_start:
-            threading.Thread(target=self.audit, name="audit", daemon=True).start()
+            # Full leak audit of runs/; hits logged without their text.
+            from .start_audit import audit_runs  # the audit's reading code: only when it runs
+
+            threading.Thread(target=audit_runs, name="audit", daemon=True,
+                             args=[self.runs, self.discovery.works, self.cfg.paths.data,
+                                   self.emit]).start()
 
     def _ready(self) -> None:
         self._ready_at = time.monotonic()
@@ -204,26 +205,6 @@ class Daemon:
         self.metrics.catching_up(looked, total)
         self._flush_state()  # a start killed now keeps what it has looked at
 
-    def _install_answer_keys(self) -> None:
-        """Every work's index, for what belongs to no one work: log lines, error reasons."""
-        from . import leakguard
-
-        leakguard.install(leakguard.AnswerKeys(
-            leakguard.index_for(name, episodes)
-            for name, work in sorted(self.discovery.works.items())
-            if (episodes := work.read_all_human())))
-
-    def audit(self) -> None:
-        """Full leak audit of runs/ (daemon/start_audit.py); hits logged without their text."""
-        from .start_audit import audit_runs  # the audit's reading code: only when it runs
-
-        audit_runs(self.runs, self.discovery.works, self.cfg.paths.data, self.emit)
-
-    def _loss_dirs(self) -> list[Path]:
-        """Where the daemon writes besides runs/.skilltrain/: runs/*/loss/."""
-        return [run / layout.LOSS_DIR for run in subdirs(self.runs)
-                if (run / layout.LOSS_DIR).is_dir()]
-
     def _clean_leftovers(self, dirs: list[Path], written_before: float) -> None:
         removed = sum(atomic.remove_leftover_temp_files(d, written_before) for d in dirs)
         if removed:
@@ -235,13 +216,6 @@ class Daemon:
         self.watcher.check_coverage()
 
     # ------------------------------------------------------------- main loop
-    def status_line(self) -> str:
-        counts = self.state.counts()
-        spent = sum(s.cost_usd for s in self.state.spend.values())
-        return (f"{counts.get('done', 0)} done, {counts.get('queued', 0)} queued, "
-                f"{counts.get('running', 0)} running, {counts.get('failed', 0)} failed, "
-                f"${spent:.2f}")
-
     def healthy(self) -> bool:
         """For the systemd watchdog: intake alive and the loop not stuck."""
         return not self.health_problems()
@@ -272,7 +246,7 @@ class Daemon:
                 self._watcher_died()
                 continue
             self._flush_state()
-            line = self.status_line()
+            line = _status_line(self.state)
             if line != last_status:
                 self.notifier.status(line)
                 last_status = line
@@ -386,6 +360,30 @@ class Daemon:
         self.state.close()
 
 
+def _status_line(state: StateStore) -> str:
+    """systemd's STATUS= once caught up."""
+    counts = state.counts()
+    spent = sum(s.cost_usd for s in state.spend.values())
+    return (f"{counts.get('done', 0)} done, {counts.get('queued', 0)} queued, "
+            f"{counts.get('running', 0)} running, {counts.get('failed', 0)} failed, "
+            f"${spent:.2f}")
+
+
+def _install_answer_keys(works: Mapping[str, dataset.Work]) -> None:
+    """Every work's index, for what belongs to no one work: log lines, error reasons."""
+    from . import leakguard
+
+    leakguard.install(leakguard.AnswerKeys(
+        leakguard.index_for(name, episodes)
+        for name, work in sorted(works.items())
+        if (episodes := work.read_all_human())))
+
+
+def _loss_dirs(runs: Path) -> list[Path]:
+    """Where the daemon writes besides runs/.skilltrain/: runs/*/loss/."""
+    return [run / layout.LOSS_DIR for run in subdirs(runs) if (run / layout.LOSS_DIR).is_dir()]
+
+
 def preflight(cfg: config.Config) -> None:
     """Every configuration error found before anything is created or any job runs."""
     if not cfg.paths.data.is_dir():
@@ -395,44 +393,6 @@ def preflight(cfg: config.Config) -> None:
     loss.check_template(PromptTemplates(cfg.paths.prompts))
     optimizer.check_command(cfg.optimizer.command)
     llm.check_credentials(cfg.llm)
-
-
-def main(config_path: Path | None, once: bool = False) -> int:
-    cfg = config.load(config_path)
-    if notice := config.defaults_notice(cfg):
-        print(f"skilltrain: {notice}", file=sys.stderr)
-    try:
-        preflight(cfg)  # before the log file (in runs/) is opened: a bad config creates nothing
-    except ConfigError as e:
-        _log_if_possible(cfg, e)
-        raise
-    runs_existed = cfg.paths.runs.is_dir()
-    log.configure(log_file=cfg.log.file, level=cfg.log.level)
-    daemon = Daemon(cfg, once=once, runs_existed=runs_existed)
-    _install_signal_handlers(daemon)
-    try:
-        daemon.start()
-    except SkilltrainError as e:
-        daemon.emit("daemon.failed", level="error", reason=str(e), exit_code=int(e.exit_code))
-        e.logged = True
-        daemon.stop_event.set()
-        with contextlib.suppress(Exception):
-            daemon.scheduler.shutdown(wait=False)
-        daemon.watcher.stop()
-        raise
-    if once:
-        daemon.run_once()
-        if daemon.failures and daemon.exit_code == ExitCode.OK:
-            daemon.exit_code = ExitCode.FAILURE  # cron and scripts must see it
-        daemon.shutdown("once: idle")
-    else:
-        daemon.run_forever()
-        daemon.shutdown("signal" if daemon.exit_code == ExitCode.OK else "watcher died")
-    # Everything is written and the lock released. Abandoned jobs sit in an
-    # LLM call we cannot interrupt (their writes are atomic, so nothing is
-    # partial), and litellm's exit handlers take seconds: end the process now.
-    logging_flush()
-    os._exit(int(daemon.exit_code))
 
 
 class _InotifyStopRace(logging.Filter):
@@ -450,40 +410,6 @@ _INOTIFY_STOP_RACE = _InotifyStopRace()
 
 def _quiet_inotify_stop_race() -> None:
     logging.getLogger("watchdog.observers.inotify").addFilter(_INOTIFY_STOP_RACE)
-
-
-def _log_if_possible(cfg: config.Config, error: SkilltrainError) -> None:
-    """daemon.failed in the log file too, when its folder exists (created for
-    this, it would not be "nothing created"). Marks the error as logged."""
-    if cfg.log.file is None or not cfg.log.file.parent.is_dir():
-        return
-    log.configure(log_file=cfg.log.file, level=cfg.log.level)
-    log.get_logger("skilltrain.daemon").error("daemon.failed", reason=str(error),
-                                              exit_code=int(error.exit_code))
-    log.shutdown()
-    error.logged = True
-
-
-def _install_signal_handlers(daemon: Daemon) -> None:
-    def handle(signum: int, frame: FrameType | None) -> None:
-        if daemon.stop_event.is_set() and signum == signal.SIGINT:
-            logging_flush()
-            os._exit(130)  # second Ctrl-C: the user means it
-        daemon.stop_event.set()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-
-
-def logging_flush() -> None:
-    import logging
-
-    for handler in logging.getLogger().handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def _version() -> str:

@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("daemon", "handlers")
-LAYERS = ["service", "reconcile", "jobs", "steps", "loop"]  # top to bottom
+LAYERS = ["process", "service", "reconcile", "jobs", "steps", "loop"]  # top to bottom
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 310
 
