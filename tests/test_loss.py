@@ -536,7 +536,8 @@ def test_a_link_into_the_answer_key_is_refused_whatever_file_it_reaches(
     job = loss.LossJob(work=dataset.load_work(work_copy), scripts_dir=linked,
                        report_path=tmp_path / "out" / "example_ep01-03.md", first=1, last=3)
 
-    with pytest.raises(RefusedError, match=r"ep01\.txt leads into the answer key \(.*\); not followed$"):
+    into_the_key = r"ep01\.txt leads into the answer key \(.*\); not followed$"
+    with pytest.raises(RefusedError, match=into_the_key):
         run(job, settings())
     assert llm_server.request_count == 0
     assert_nothing_written(job, tmp_path)
