@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from tests.daemon_helpers import (
     Workspace,
     build_workspace,
     run_cli,
-    run_once_in_process,
     stays,
     wait_until,
 )
@@ -377,92 +375,6 @@ def test_a_run_deleted_and_started_again_under_its_name_runs_afresh(
 
     assert journal(ws, "writer") == [(0, 0), (0, 0)]
     assert journal(ws, "optimizer") == [(0, 0), (0, 0)]
-
-
-def test_a_state_file_that_is_no_database_is_rebuilt_and_the_marker_says_the_optimizer_ran(
-    tmp_path: Path, llm_server: LLMServer
-) -> None:
-    """state.sqlite3 overwritten with text is moved aside and rebuilt: the step's
-    marker still knows its optimizer ran, so it does not run again."""
-    ws = loop_workspace(tmp_path, llm_server.url)
-    ws.write_step(RUN, 0, 0, success=True)
-    run_once_in_process(ws)
-    assert journal(ws, "optimizer") == [(0, 0)]
-    state = ws.state()
-    record = state["steps"][f"{RUN}/epoch_00/step_00"]
-    assert record["optimizer_done"] and record["optimizer_attempts"] == 1
-    record["optimizer_done"] = False
-    ws.state_file.write_text(json.dumps(state), encoding="utf-8")
-
-    run_once_in_process(ws)
-
-    assert [e["reason"].startswith("not a state database")
-            for e in ws.events("state.unreadable")] == [True]
-    assert journal(ws, "optimizer") == [(0, 0)]
-
-
-def _step_record(ws: Workspace, step_id: str) -> dict[str, Any]:
-    from skilltrain.daemon import state_db
-
-    data = state_db.read_only(ws.state_file) or {}
-    record = data.get("steps", {}).get(step_id, {})
-    assert isinstance(record, dict)
-    return record
-
-
-def _copy_database(source: Path, target: Path) -> None:
-    """A consistent copy of a live SQLite database (its WAL included), as a backup takes."""
-    src = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
-    dst = sqlite3.connect(target)
-    try:
-        src.backup(dst)
-    finally:
-        src.close()
-        dst.close()
-
-
-def test_a_marker_that_says_the_optimizer_ran_wins_over_a_lagging_state_database(
-    tmp_path: Path, llm_server: LLMServer
-) -> None:
-    """A SIGKILL after the optimizer's marker was written and before the state
-    was flushed leaves a valid database that lags: it says the optimizer is
-    running. The next start must not run the optimizer again (the loop builds on it).
-
-    The lag is made for real: the database is copied while the optimizer runs
-    (held by a file), and restored after the daemon recorded its end.
-    """
-    hold = tmp_path / "optimizer-holds"
-    ws = loop_workspace(tmp_path, llm_server.url, optimizer_args=("--hold-while", str(hold)))
-    step_id = f"{RUN}/epoch_00/step_00"
-    hold.touch()
-    ws.write_step(RUN, 0, 0, success=True)
-    lagging = tmp_path / "state-while-the-optimizer-ran.sqlite3"
-    with InProcessDaemon(ws):
-        wait_until(lambda: journal(ws, "optimizer", "start"), FINISH_TIMEOUT_S,
-                   message="the optimizer's start")
-        wait_until(lambda: _step_record(ws, step_id).get("optimizer_attempts") == 1,
-                   FINISH_TIMEOUT_S, message="the flush of the optimizer's first attempt")
-        _copy_database(ws.state_file, lagging)
-        hold.unlink()
-        wait_until(lambda: ws.events("optimizer.finished"), FINISH_TIMEOUT_S,
-                   message="optimizer.finished")
-    assert _step_record(ws, step_id)["optimizer_done"] is True
-    marker = ws.runs / RUN / "loss" / ".steps" / "epoch_00-step_00.json"
-    assert json.loads(marker.read_text(encoding="utf-8"))["optimizer_done"] is True
-    for stale in (ws.state_file.with_name(ws.state_file.name + s) for s in ("-wal", "-shm")):
-        stale.unlink(missing_ok=True)
-    shutil.copyfile(lagging, ws.state_file)
-    record = _step_record(ws, step_id)  # the state lags, and is a valid database
-    assert record["reported_at"] is not None
-    assert (record["optimizer_done"], record["optimizer_attempts"]) == (False, 1)
-
-    run_once_in_process(ws)
-
-    assert ws.events("state.unreadable") == []
-    assert journal(ws, "optimizer", "start") == [(0, 0)]
-    assert len(ws.events("optimizer.started")) == 1
-    assert len(ws.events("step.reported")) == 1
-    assert _step_record(ws, step_id)["optimizer_done"] is True
 
 
 # -------------------------------------------------------------------- config
