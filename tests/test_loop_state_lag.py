@@ -126,3 +126,49 @@ def test_a_marker_that_says_the_optimizer_ran_wins_over_a_lagging_state_database
     assert len(ws.events("step.reported")) == 1
     assert step_record(ws)["optimizer_done"] is True
 
+
+def test_a_report_replaced_after_the_state_was_flushed_is_still_optimized(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    """The other way a state lags: the step was reopened (a report replaced,
+    marker generation 1) and the daemon killed while that optimizer ran, with
+    the state last flushed before the replacement (generation 0, optimizer
+    done). The next start must run the optimizer on the new report, not take
+    the old generation's "done" for it.
+
+    The database is copied before the episode is rewritten; the marker as it
+    was while the second optimizer ran (held by a file) is put back with it.
+    """
+    hold = tmp_path / "optimizer-holds"
+    ws = loop_workspace(tmp_path, llm_server.url, optimizer_args=("--hold-while", str(hold)))
+    ws.write_step(RUN, 0, 0, success=True)
+    run_once_in_process(ws)
+    assert journal(ws, "optimizer") == [(0, 0)]
+    before = tmp_path / "state-before-the-rewrite.sqlite3"
+    copy_database(ws.state_file, before)
+    assert (step_record(ws)["generation"], step_record(ws)["optimizer_done"]) == (0, True)
+
+    episode = ws.scripts(RUN, 0, 0, "alpha") / "ep01.txt"  # the writer rewrites an episode
+    episode.write_text(episode.read_text(encoding="utf-8") + "\nA last line, added.\n",
+                       encoding="utf-8")
+    hold.touch()
+    with InProcessDaemon(ws):
+        wait_until(lambda: len(journal(ws, "optimizer", "start")) == 2, FINISH_TIMEOUT_S,
+                   message="the second optimizer's start")
+        in_flight = marker_path(ws).read_text(encoding="utf-8")
+        hold.unlink()
+        wait_until(lambda: len(ws.events("optimizer.finished")) == 2, FINISH_TIMEOUT_S,
+                   message="the second optimizer.finished")
+    marker = json.loads(in_flight)
+    assert (marker["generation"], marker["optimizer_done"], marker["optimizer_attempts"]) \
+        == (1, False, 1)
+    marker_path(ws).write_text(in_flight, encoding="utf-8")
+    restore_database(before, ws)
+
+    run_once_in_process(ws)
+
+    assert ws.events("state.unreadable") == []
+    assert journal(ws, "optimizer", "start") == [(0, 0)] * 3  # the interrupted one again
+    record = step_record(ws)
+    assert (record["generation"], record["optimizer_done"]) == (1, True)
+    assert json.loads(marker_path(ws).read_text(encoding="utf-8"))["optimizer_done"] is True
