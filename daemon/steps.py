@@ -8,7 +8,8 @@ writer of the next step (daemon/loop.py).
 
 The marker beside the reports (runs/<run>/loss/.steps/epoch_EE-step_SS.json)
 is the durable record: the state database is a cache of it, so a lost or
-lagging state never reports a step twice or runs its optimizer twice.
+lagging state never reports a step twice, runs its optimizer twice, or
+forgets that a replaced report reopened it.
 """
 from __future__ import annotations
 
