@@ -8,7 +8,8 @@ writer of the next step (daemon/loop.py).
 
 The marker beside the reports (runs/<run>/loss/.steps/epoch_EE-step_SS.json)
 is the durable record: the state database is a cache of it, so a lost or
-lagging state never reports a step twice or runs its optimizer twice.
+lagging state never reports a step twice, runs its optimizer twice, or
+forgets that a replaced report reopened it.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Steps:
         self._futures_lock = threading.Lock()  # jobs finishing together trigger steps
         self._futures: list[Future[None]] = []
         self._pending: set[str] = set()  # step ids with an optimizer run claimed; state.lock
+        self._compared: set[str] = set()  # step ids whose record met its marker; state.lock
 
     def writer_running(self, step: layout.StepKey) -> bool:
         """The loop's writer is still writing this step: its sets are not scored yet."""
@@ -67,12 +69,7 @@ class Steps:
             if not all((r := self.state.sets.get(k.id)) and r.state == SetState.DONE
                        for k in keys):
                 return
-            rec = self.state.steps.get(step.id) or self._from_marker(step) or StepRecord()
-            if (not rec.optimizer_done and rec.optimizer_attempts
-                    and progress.read_step_marker(self.runs, step).get("optimizer_done")):
-                # The state lags the marker by up to a flush: after a SIGKILL in
-                # between, the marker's "optimizer ran" must win, or it runs twice.
-                rec = self._from_marker(step) or rec
+            rec = self._record(step) or StepRecord()
             first_time = rec.reported_at is None
             due = (not rec.optimizer_done
                    and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
@@ -107,8 +104,8 @@ class Steps:
         report this one replaces, so the step is reported again and re-optimized."""
         step = key.step_key
         with self.state.lock:
-            # After a lost state the step's marker file still knows.
-            rec = self.state.steps.get(step.id) or self._from_marker(step)
+            # After a lost or lagging state the step's marker file still knows.
+            rec = self._record(step)
             if rec is None or rec.reported_at is None:
                 return
             rec.reported_at = None
@@ -138,7 +135,7 @@ class Steps:
         """The user's RETRY of a run stalled on this step's optimizer: fresh
         attempts, and a run now (the failed ones stay in the log)."""
         with self.state.lock:
-            rec = self.state.steps.get(step.id) or self._from_marker(step)
+            rec = self._record(step)
             if rec is None or rec.optimizer_done:
                 return
             rec = self.state.step(step.id)  # marks it for a write
@@ -148,6 +145,25 @@ class Steps:
         self.check(step)
 
     # ---------------------------------------------------------------- markers
+    def _record(self, step: layout.StepKey) -> StepRecord | None:
+        """The step's record: the state's, unless the step's marker is newer.
+
+        The state lags the marker by up to a flush: after a SIGKILL in
+        between, a record read at the start may miss the optimizer's end (it
+        would run twice) or the step's reopening by a replaced report (the
+        optimizer would never learn from the new one). Each record is
+        compared once per process, at its first use (state.lock held): later
+        changes are this process's own, written to both.
+        """
+        rec = self.state.steps.get(step.id)
+        if rec is None:
+            return self._from_marker(step)
+        if step.id not in self._compared:
+            self._compared.add(step.id)
+            if _marker_is_newer(progress.read_step_marker(self.runs, step), rec):
+                return self._from_marker(step) or rec
+        return rec
+
     def _from_marker(self, step: layout.StepKey) -> StepRecord | None:
         """The step's record from its marker file, when the state was lost.
 
@@ -255,3 +271,18 @@ class Steps:
     def stop_intake(self) -> None:
         """No new optimizer runs; one not started yet is retried at the next start."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _marker_is_newer(marker: dict[str, Any], rec: StepRecord) -> bool:
+    """Whether the marker records a later moment of the step than `rec`.
+
+    A reopening raises the generation and is written to the marker at once;
+    within a generation "optimizer done" never turns false again. A marker
+    that failed to be written (step.marker_failed) is older, never newer.
+    """
+    generation = marker.get("generation", 0)
+    if not isinstance(generation, int):
+        return False
+    if generation != rec.generation:
+        return generation > rec.generation
+    return bool(marker.get("optimizer_done")) and not rec.optimizer_done

@@ -169,7 +169,8 @@ class Reply:
     @classmethod
     def trickle(cls, every_s: float = 2.0, content: str = DEFAULT_REPORT) -> Reply:
         """A valid completion whose body arrives one byte every `every_s` seconds:
-        no single read waits long enough for a per-read timeout to fire."""
+        with `every_s` under the client's per-read timeout, no single read waits
+        long enough for it to fire."""
         return dataclasses.replace(cls.ok(content), trickle_s=every_s)
 
     @classmethod

@@ -110,6 +110,31 @@ def test_quotes_of_the_models_own_episodes_are_untouched(
     assert job.report_path.read_text(encoding="utf-8") == body + "\n"
 
 
+def test_lines_the_model_wrote_as_the_human_did_may_be_quoted_the_others_not(
+        job: loss.LossJob, llm_server: LLMServer) -> None:
+    # The draft's own lines above are in no human text: a guard that ignored
+    # what the model wrote would pass that test too. Here the writer wrote
+    # two lines exactly as the human did (a closed-book writer can land on
+    # the same line): quoting them is quoting the model. A third human line,
+    # not in the draft, is still a leak in the same report.
+    human = (EXAMPLE / "human" / "ep02.txt").read_text(encoding="utf-8")
+    shared_1, shared_2, human_only = dialogue_lines(human, 3)
+    ep02 = job.scripts_dir / "ep02.txt"
+    ep02.write_text(ep02.read_text(encoding="utf-8")
+                    + f"\nDEV\n{shared_1}\n\nMAGS\n{shared_2}\n", encoding="utf-8")
+    kept = ("The draft lands two lines as the original does:\n\n"
+            f'"{shared_1}"\n\n> {shared_2}\n\n')
+    body = kept + f"But it never finds this one: {human_only}\n\nThe rest explains too much."
+    llm_server.script(Reply.ok(body))
+
+    result = run(job, llm_server, "redact")
+
+    report = job.report_path.read_text(encoding="utf-8")
+    assert result.leaks_redacted == 1
+    assert report.startswith(kept)
+    assert human_only not in report and report.count(leakguard.REDACTION_MARKER) == 1
+
+
 def test_audit_is_clean_after_a_daemon_run_and_finds_a_planted_leak(
         tmp_path: Path, llm_server: LLMServer) -> None:
     # A whole daemon run on the example, the reviewer quoting the answer key

@@ -428,6 +428,40 @@ def test_answer_keys_of_two_works_overlap_under_one_marker() -> None:
     assert leakguard.AnswerKeys([]).leaks(text) == []
 
 
+def test_redact_cuts_to_the_furthest_end_when_a_leak_nests_in_another() -> None:
+    # Sorted by start, the outer passage comes first and the inner one ends
+    # before it: the cut must resume at the outer end, not the last one seen.
+    text = "0123456789abcdefghijKLMNOP"
+    outer = leakguard.Leak(start=2, end=16, episode=1, n_words=9, line=1)
+    inner = leakguard.Leak(start=5, end=9, episode=1, n_words=7, line=1)
+    later = leakguard.Leak(start=20, end=23, episode=1, n_words=7, line=1)
+    assert redact(text, [inner, later, outer], marker="#") == "01#ghij#NOP"
+    # Several nested in one, and one that starts with the outer one.
+    same_start = leakguard.Leak(start=2, end=4, episode=1, n_words=7, line=1)
+    assert redact(text, [same_start, inner, outer], marker="#") == "01#ghijKLMNOP"
+    assert redact(text, [outer, same_start, inner], marker="#") == "01#ghijKLMNOP"
+
+
+def test_answer_keys_leak_nested_in_a_longer_one_is_cut_whole() -> None:
+    # One work holds a line wholly inside a longer line of another (a shared
+    # quotation): the report quoting the longer line gets the short leak
+    # inside the long one, and the tail of the long one must not survive.
+    inner = "the woods are lovely dark and deep but I have promises to keep"
+    outer = f"Whispering low, {inner} and miles to go before I sleep tonight"
+    long_work = HumanIndex.build("frost-long", {1: f"ADA\n{outer}.\n"})
+    short_work = HumanIndex.build("frost-short", {1: f"TOM\nHe said {inner}, then left.\n"})
+    text = f"Note: {outer}. Done."
+    for keys in (leakguard.AnswerKeys([long_work, short_work]),
+                 leakguard.AnswerKeys([short_work, long_work])):
+        leaks = keys.leaks(text)
+        assert len(leaks) == 2
+        first, second = leaks
+        assert first.start < second.start and second.end < first.end  # nested
+        cleaned = keys.clean(text)
+        assert cleaned == f"Note: {REDACTION_MARKER}. Done."
+        assert "miles to go" not in cleaned and "sleep tonight" not in cleaned
+
+
 def test_long_run_of_common_words_is_a_leak_alone() -> None:
     # No 7-word window of it holds two content words (rule 2 cannot start),
     # but 8 human words in a row with one that is not stock (rule 1) can.

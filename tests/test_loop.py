@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
+from skilltrain.daemon import config
+from skilltrain.daemon.loop import stop_reason
 from tests.daemon_helpers import (
     REPO,
     InProcessDaemon,
     Workspace,
     build_workspace,
     run_cli,
-    run_once_in_process,
     stays,
     wait_until,
 )
@@ -192,6 +193,35 @@ def test_a_stop_rule_ends_the_run(
     assert ws.events("run.started", run=RUN)[0]["trigger"] == "empty folder"
 
 
+def test_stop_below_ends_the_run_at_a_distance_equal_to_it(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    """The rule is "at or under": a step whose distance is exactly stop_below ends
+    the run there. The distance is measured by a first run of one step (the toy
+    writer's text is a function of run, epoch and step, so the second run's first
+    step has the same), then the second run stops on it."""
+    probe = loop_workspace(tmp_path / "probe", llm_server.url, steps_per_epoch=1,
+                           max_epochs=1)
+    (probe.runs / RUN).mkdir()
+    with InProcessDaemon(probe):
+        finished(probe)
+    [distance] = [e["craft_distance"] for e in probe.events("step.reported")]
+    assert isinstance(distance, float) and distance > 0
+
+    ws = loop_workspace(tmp_path / "equal", llm_server.url, steps_per_epoch=3, max_epochs=1,
+                        loop_extra=f"stop_below = {distance!r}")
+    (ws.runs / RUN).mkdir()
+    with InProcessDaemon(ws):
+        end = finished(ws)
+
+    assert (end["reason"], end["epoch"], end["step"], end["steps"]) == ("stop_below", 0, 0, 1)
+    assert end["craft_distance"] == distance
+    assert journal(ws, "writer") == [(0, 0)]
+    rule = config.LoopConfig(stop_below=0.25)
+    assert stop_reason(rule, [0.5, 0.25], over_budget=False, next_epoch=0) == "stop_below"
+    assert stop_reason(rule, [0.5, 0.2500001], over_budget=False, next_epoch=0) is None
+
+
 @pytest.mark.parametrize("sets_per_step", [1, 2])
 def test_the_budget_ends_the_run(
     tmp_path: Path, llm_server: LLMServer, sets_per_step: int
@@ -345,26 +375,6 @@ def test_a_run_deleted_and_started_again_under_its_name_runs_afresh(
 
     assert journal(ws, "writer") == [(0, 0), (0, 0)]
     assert journal(ws, "optimizer") == [(0, 0), (0, 0)]
-
-
-def test_a_marker_that_says_the_optimizer_ran_wins_over_a_lagging_state_file(
-    tmp_path: Path, llm_server: LLMServer
-) -> None:
-    """A SIGKILL after the optimizer's marker was written and before state.json was
-    flushed must not run the optimizer again at the next start (the loop builds on it)."""
-    ws = loop_workspace(tmp_path, llm_server.url)
-    ws.write_step(RUN, 0, 0, success=True)
-    run_once_in_process(ws)
-    assert journal(ws, "optimizer") == [(0, 0)]
-    state = ws.state()
-    record = state["steps"][f"{RUN}/epoch_00/step_00"]
-    assert record["optimizer_done"] and record["optimizer_attempts"] == 1
-    record["optimizer_done"] = False  # state.json as it was while the optimizer ran
-    ws.state_file.write_text(json.dumps(state), encoding="utf-8")
-
-    run_once_in_process(ws)
-
-    assert journal(ws, "optimizer") == [(0, 0)]
 
 
 # -------------------------------------------------------------------- config

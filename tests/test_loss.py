@@ -502,6 +502,47 @@ def test_symlink_loop_is_refused(
     assert_nothing_written(job, tmp_path)
 
 
+def test_a_link_out_of_runs_is_refused_whatever_file_it_reaches(
+    tmp_path: Path, job: loss.LossJob, settings: SettingsFactory, llm_server: LLMServer
+) -> None:
+    # The symlink-out case above reaches a human episode, which the copy check
+    # refuses too. Here the target is the writer's own draft, only kept out of
+    # runs/: nothing but the confinement to runs/ stands between it and the model.
+    outside = tmp_path / "elsewhere" / "ep02.txt"
+    outside.parent.mkdir()
+    (job.scripts_dir / "ep02.txt").rename(outside)
+    (job.scripts_dir / "ep02.txt").symlink_to(outside)
+
+    with pytest.raises(RefusedError, match=r"ep02\.txt is a symlink out of runs/; not followed$"):
+        run(job, settings(), confine_to=tmp_path / "runs")
+    assert llm_server.request_count == 0
+    assert_nothing_written(job, tmp_path)
+
+
+def test_a_link_into_the_answer_key_is_refused_whatever_file_it_reaches(
+    tmp_path: Path, work_copy: Path, settings: SettingsFactory, llm_server: LLMServer
+) -> None:
+    # The answer key's folder holds more than its episodes (a draft of the
+    # human writer, notes): a link into it is refused for where it leads, not
+    # for what the file holds. These are no copies of a human episode, and the
+    # scripts folder is a link the way `skilltrain loss --scripts` may get one
+    # (no runs/ root to confine to): only the answer-key rule refuses them.
+    drafts = work_copy / "human" / "drafts"
+    drafts.mkdir()
+    for n in (1, 2, 3):
+        shutil.copy(EXAMPLE / "model_draft" / f"ep{n:02d}.txt", drafts)
+    linked = tmp_path / "scripts"
+    linked.symlink_to(drafts, target_is_directory=True)
+    job = loss.LossJob(work=dataset.load_work(work_copy), scripts_dir=linked,
+                       report_path=tmp_path / "out" / "example_ep01-03.md", first=1, last=3)
+
+    into_the_key = r"ep01\.txt leads into the answer key \(.*\); not followed$"
+    with pytest.raises(RefusedError, match=into_the_key):
+        run(job, settings())
+    assert llm_server.request_count == 0
+    assert_nothing_written(job, tmp_path)
+
+
 def _human_range_missing(human: Path) -> None:
     for n in (1, 2, 3):
         (human / f"ep{n:02d}.txt").unlink()

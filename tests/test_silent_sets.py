@@ -128,6 +128,12 @@ def build_tree(ws: Workspace) -> None:
     os.link(human["hardlink"] / "ep02.txt", scripts["hardlink"] / "ep02.txt")
     shutil.copy(human["copy"] / "ep02.txt", scripts["copy"] / "ep02.txt")
 
+    # The step's first and last sets are good ones: a barrier that looked at
+    # one set, or at either end, would report the step.
+    listed = ["good", *UNUSABLE, *REFUSED, "future"]
+    assert set(listed) == set(WORKS)
+    (ws.runs / R / "run.toml").write_text(f"works = {json.dumps(listed)}\n", encoding="utf-8")
+
     # Folders above the works: a misnumbered epoch (next to the real one) and
     # a run folder that is a symlink out of runs/.
     write_model(ws, "good", [1, 2, 3], run="tmp")
@@ -210,6 +216,8 @@ def test_binary_content_and_copies_of_the_answer_key_are_refused_unsent(
 
 
 def test_the_step_holding_them_is_not_reported(tree: Tree) -> None:
+    # The step's sets in its run.toml's order: done at both ends, the bad ones between.
+    assert set_status(tree, "good")["state"] == set_status(tree, "future")["state"] == "done"
     reported = [e["run"] for e in tree.events if e["event"] == "step.reported"]
     assert reported == [GOOD_RUN], reported
     assert tree.failures > 0  # --once exits 1
