@@ -53,19 +53,19 @@ class Discovery:
     def steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
         """Every step folder under runs/ with the sets it is expected to have."""
         self._report_linked_folders(self.runs)
-        for run in subdirs(self.runs):
-            if run.name.startswith(".") or self._quotes_the_key(run.name):
+        for run in layout.run_dirs(self.runs):
+            if self._quotes_the_key(run.name):
                 continue
             works = self.expected_works(run.name)
             self._report_linked_folders(run)
-            for epoch_dir in subdirs(run):
+            for epoch_dir in layout.subdirs(run):
                 epoch = layout.EPOCH_DIR.fullmatch(epoch_dir.name)
                 if epoch is None or epoch_dir.name != f"epoch_{int(epoch.group(1)):02d}":
                     if epoch_dir.name != layout.LOSS_DIR:
                         self.ignore(epoch_dir, _misnumbered(epoch_dir.name, "epoch"))
                     continue
                 self._report_linked_folders(epoch_dir)
-                for step_dir in subdirs(epoch_dir):
+                for step_dir in layout.subdirs(epoch_dir):
                     step = layout.STEP_DIR.fullmatch(step_dir.name)
                     if step is None or step_dir.name != f"step_{int(step.group(1)):02d}":
                         self.ignore(step_dir, _misnumbered(step_dir.name, "step"))
@@ -79,7 +79,7 @@ class Discovery:
             return
         step_dir = step.step_dir(self.runs)
         works = works if works is not None else self.expected_works(step.run)
-        for name in _subdir_names(step_dir):
+        for name in layout.subdir_names(step_dir):
             if name not in self.works:
                 self.ignore(step_dir / name, "unknown work (no data/<work>/human/)")
             elif all(work.name != name for work in works):
@@ -109,10 +109,7 @@ class Discovery:
 
     # ---------------------------------------------------------- unusable paths
     def _quotes_the_key(self, run: str) -> bool:
-        """A run folder named with a line of the answer key is not scored: its
-        name would be in every report path, state row and log line we write."""
-        keys = leakguard.installed()
-        if keys is None or not keys.leaks(run):
+        if not quotes_the_key(run):
             return False
         self.ignore(self.runs / run, "the folder name quotes the answer key; not scored "
                     "(rename the run)", event="set.unusable")
@@ -153,9 +150,17 @@ class Discovery:
                                 event="work.range_incomplete")
 
 
-def subdirs(path: Path) -> list[Path]:
-    """The real (not symlinked) folders in `path`, sorted; none if it is unreadable."""
-    return [path / name for name in _subdir_names(path)]
+def quotes_the_key(run: str) -> bool:
+    """A run folder named with a line of the answer key is not scored (nor
+    looped): its name would be in every report path, state row and log line."""
+    keys = leakguard.installed()
+    return keys is not None and bool(keys.leaks(run))
+
+
+def usable_runs(runs: Path) -> list[str]:
+    """The runs every part works on: real folders (layout.run_dirs) whose name
+    does not quote the answer key."""
+    return [run.name for run in layout.run_dirs(runs) if not quotes_the_key(run.name)]
 
 
 def _entries(path: Path) -> list[os.DirEntry[str]]:
@@ -165,10 +170,6 @@ def _entries(path: Path) -> list[os.DirEntry[str]]:
         return []
     with entries:
         return list(entries)
-
-
-def _subdir_names(path: Path) -> list[str]:
-    return sorted(e.name for e in _entries(path) if e.is_dir(follow_symlinks=False))
 
 
 def _symlinked_subdirs(path: Path) -> list[str]:

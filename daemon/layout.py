@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,3 +131,28 @@ def parse_runs_path(runs: Path, path: Path) -> ScriptsPath | None:
     if len(parts) > 6:
         return None
     return ScriptsPath(parts[0], int(epoch.group(1)), int(step.group(1)), work, episode)
+
+
+# ------------------------------------------------------------------ folders
+# The one symlink policy for the tree's folders: a symlinked run, epoch,
+# step or work folder is never followed (discovery names it once as unusable).
+
+
+def subdir_names(path: Path | str) -> list[str]:
+    """The real (not symlinked) folders in `path`, sorted; none if it is unreadable."""
+    try:
+        with os.scandir(path) as entries:
+            return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+
+
+def subdirs(path: Path) -> list[Path]:
+    """subdir_names as paths."""
+    return [path / name for name in subdir_names(path)]
+
+
+def run_dirs(runs: Path) -> list[Path]:
+    """The run folders: real folders in runs/, except the daemon's own (.skilltrain)."""
+    return [runs / name for name in subdir_names(runs) if not name.startswith(".")]
+

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..handlers import writer
 from ..handlers.optimizer import OptimizerResult
-from . import config, layout, log, progress
+from . import config, discovery, layout, log, progress
 from .errors import ConfigError
 from .run_record import PAUSE, RETRY, START, Phase, RunRecord
 from .run_record import read as read_record
@@ -172,11 +172,7 @@ class Loop:
             self._wake.wait(TICK_S)
 
     def _run_names(self) -> list[str]:
-        try:
-            return sorted(p.name for p in self.runs.iterdir()
-                          if not p.name.startswith(".") and p.is_dir())
-        except OSError:
-            return []
+        return discovery.usable_runs(self.runs)  # the scan's runs: never a symlink
 
     # ---------------------------------------------------------- phase machine
     def reconcile(self, run: str) -> None:

@@ -153,12 +153,7 @@ def collect(runs: Path, run: str | None = None) -> list[StepRow]:
 
 
 def _run_names(runs: Path) -> list[str]:
-    try:
-        entries = list(os.scandir(runs))
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return []
-    return sorted(e.name for e in entries
-                  if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+    return [run.name for run in layout.run_dirs(runs)]
 
 
 def step_fields(runs: Path, step: layout.StepKey) -> dict[str, Any]:

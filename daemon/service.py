@@ -30,7 +30,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer
 from . import atomic, config, dataset, layout, llm, log, notify
-from .discovery import Discovery, subdirs
+from .discovery import Discovery
 from .errors import ConfigError, ExitCode
 from .jobs import Budget, Claims, Jobs
 from .lock import RunsLock
@@ -381,7 +381,8 @@ def _install_answer_keys(works: Mapping[str, dataset.Work]) -> None:
 
 def _loss_dirs(runs: Path) -> list[Path]:
     """Where the daemon writes besides runs/.skilltrain/: runs/*/loss/."""
-    return [run / layout.LOSS_DIR for run in subdirs(runs) if (run / layout.LOSS_DIR).is_dir()]
+    return [run / layout.LOSS_DIR for run in layout.run_dirs(runs)
+            if (run / layout.LOSS_DIR).is_dir()]
 
 
 def preflight(cfg: config.Config) -> None:

@@ -402,3 +402,20 @@ def test_loop_config_errors_name_the_key_and_exit_2(tmp_path: Path) -> None:
     result, _ = run_cli("start", RUN, "--config", str(plain.config_path))
     assert result.returncode == 2 and "[loop] is not configured" in result.stderr
     assert not (plain.runs / RUN).exists()
+
+
+def test_a_symlinked_run_folder_is_never_looped(tmp_path: Path, llm_server: LLMServer) -> None:
+    # An empty real folder starts a run; a link to an empty folder outside
+    # runs/ must not: the loop sees the runs the scan sees, never a symlink.
+    ws = loop_workspace(tmp_path, llm_server.url)
+    elsewhere = ws.outside / "linked-target"
+    elsewhere.mkdir(parents=True)
+    (ws.runs / "linked").symlink_to(elsewhere, target_is_directory=True)
+    with InProcessDaemon(ws):
+        wait_until(lambda: ws.events("set.unusable"), 10, message="the link named unusable")
+        (ws.runs / "real").mkdir()  # a real empty run folder, to show the loop is looking
+        wait_until(lambda: ws.events("writer.started", run="real"), 10,
+                   message="the real run's writer")
+    assert ws.events("run.started", run="linked") == []
+    assert ws.events("writer.started", run="linked") == []
+    assert list(elsewhere.iterdir()) == []  # no loop.json, no episodes outside runs/
