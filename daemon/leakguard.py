@@ -19,11 +19,14 @@ sets of the human shingles. Two rules start a leak:
    words (LONG_MIN_CONTENT_WORDS = 0). A voice-over line of common words
    ("What in the world is wrong with her? She had a walk this morning.") is
    as much the answer key as a distinctive one. The windows read are the
-   lines (dialogue and action) and, for a quoted exchange that keeps its cue
-   names, windows of the full text of which at least half are lines; a run
-   made mostly of scene headings and cues is the story's (a closed-book
-   writer of the same story names the same places and people: data/example's
-   independent draft shares an 8-word heading with its human script).
+   lines (dialogue and action), any one line whole whatever its kind (a
+   nine-word scene heading of rare names, a long parenthetical: issue 25)
+   and, for a quoted exchange that keeps its cue names, windows of the full
+   text of which at least half are lines. A run across a heading and the
+   cue after it is the story's (a closed-book writer of the same story names
+   the same places and people: data/example's independent draft shares a
+   7-word heading and the cue after it with its human script); stock
+   headings are short ("INT. KITCHEN - NIGHT").
 2. SHINGLE_WORDS (7) words with at least MIN_CONTENT_WORDS (2) that are not
    stock: a distinctive 7-word line is a quote too.
 

@@ -460,3 +460,53 @@ def test_a_quoted_exchange_with_its_cue_names_is_a_leak() -> None:
     assert len(find_leaks(report, index)) == 1
     # A heading and a cue shared with the human script are the story's.
     assert find_leaks("INT. BARN - DAY. MARTHA enters.", index) == []
+
+
+# Issue 25: headings were exempt from rule 1; a long one is the key like any line.
+RARE_HEADING = "INT. QUIXWELL-ARBANOV OBSERVATORY - ZELTRANE ANNEX - VORSK BASEMENT - NIGHT"
+HEADING_KEY = (f"{RARE_HEADING}\n\nMARTHA\nAre you coming?\n\n"
+               "EXT. BARN - DAY\n\nWALTER\n(leaning on the gate, not looking up from the muddy "
+               "ledger in his hands)\nNot yet.\n")
+
+
+def test_a_long_scene_heading_quoted_whole_is_a_leak() -> None:
+    index = HumanIndex.build("heading", {1: HEADING_KEY})
+    assert len(textnorm.tokens(RARE_HEADING)) == 9
+    report = f"The original opens on {RARE_HEADING.lower()} and never says why."
+    (leak,) = find_leaks(report, index)
+    assert _span(report, leak).upper() == RARE_HEADING
+    assert RARE_HEADING.lower() not in redact(report, [leak])
+    # Seen through the normalisation like any quote, and by the log's check too.
+    disguised = report.replace(" ", "\u200b ").replace("o", "\u043e")
+    assert find_leaks(disguised, index)
+    assert leakguard.AnswerKeys([index]).leaks(report)
+    # Eight of its words are enough; seven are not.
+    eight = " ".join(textnorm.tokens(RARE_HEADING)[1:])
+    assert find_leaks(f"It reads {eight}, in capitals.", index)
+    seven = " ".join(textnorm.tokens(RARE_HEADING)[2:])
+    assert find_leaks(f"It reads {seven}, in capitals.", index) == []
+
+
+def test_a_long_parenthetical_quoted_whole_is_a_leak() -> None:
+    index = HumanIndex.build("heading", {1: HEADING_KEY})
+    report = "Walter is leaning on the gate, not looking up from the muddy ledger in his hands."
+    assert find_leaks(report, index)
+
+
+def test_headings_the_model_wrote_too_and_short_stock_headings_stay_allowed() -> None:
+    index = HumanIndex.build("heading", {1: HEADING_KEY})
+    model = f"{RARE_HEADING}\n\nMARTHA\nWe should go.\n"
+    report = f"Both open on {RARE_HEADING}, a good choice."
+    assert find_leaks(report, index, allow_text=model) == []
+    assert find_leaks("EXT. BARN - DAY. WALTER waits; MARTHA: Are you coming?", index) == []
+
+
+def test_a_heading_and_the_cue_after_it_are_the_storys() -> None:
+    # data/example's independent draft has this pair: 7 heading words and the
+    # cue make 8 words of the key, across two lines, written closed-book.
+    key = "EXT. HILLCREST CARE HOME - CAR PARK - DAY\n\nDEV\nKeys. Where are the keys?\n"
+    draft = "EXT. HILLCREST CARE HOME - CAR PARK - DAY\n\nDev circles the van twice.\n"
+    assert find_leaks(draft, HumanIndex.build("example", {1: key})) == []
+    assert find_leaks(draft, HumanIndex.build("example", {1: key}, long_reach="any"))
+    with pytest.raises(ValueError, match="long_reach"):
+        HumanIndex.build("example", {1: key}, long_reach="headings")
