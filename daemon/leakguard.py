@@ -62,6 +62,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from . import textnorm
 from .leakguard_index import (
@@ -82,8 +83,9 @@ REDACTION_MARKER = "[verbatim answer-key passage removed]"
 # The index (leakguard_index.py) is re-exported: callers know one module, the guard.
 __all__ = [
     "LONG_MIN_CONTENT_WORDS", "LONG_RUN_WORDS", "MIN_CONTENT_WORDS", "REDACTION_MARKER",
-    "SHINGLE_WORDS", "STOCK_LINES", "AnswerKeys", "HumanIndex", "Leak", "find_leaks",
-    "index_for", "install", "installed", "redact", "shingle_hashes", "tokens",
+    "SHINGLE_WORDS", "STOCK_LINES", "AnswerKeys", "HumanIndex", "KeySource", "Leak",
+    "find_leaks", "index_for", "install", "installed", "keep_current", "redact",
+    "shingle_hashes", "tokens",
 ]
 
 
@@ -266,16 +268,25 @@ class AnswerKeys:
         return redact(text, leaks, marker) if leaks else text
 
 
-_installed: AnswerKeys | None = None
+class KeySource(Protocol):
+    """Answer keys that follow data/ (leakguard_live.LiveAnswerKeys)."""
+
+    def current(self) -> AnswerKeys: ...
+    def holds(self, index: HumanIndex) -> bool: ...
+    def check(self) -> bool: ...
+
+
+_installed: AnswerKeys | KeySource | None = None
 _installed_lock = threading.Lock()
 
 
-def install(keys: AnswerKeys | None) -> None:
+def install(keys: AnswerKeys | KeySource | None) -> None:
     """Make `keys` the process's answer keys (the daemon, once works are loaded).
 
     Logging (log._seal_answer_key), provider error messages (llm) and state
     reasons are checked against them. None: no keys (library log records are
-    then withheld whole).
+    then withheld whole). A KeySource is asked each time, so that a key
+    edited or added while the daemon runs is guarded without a restart.
     """
     global _installed
     with _installed_lock:
@@ -284,4 +295,15 @@ def install(keys: AnswerKeys | None) -> None:
 
 def installed() -> AnswerKeys | None:
     """The answer keys installed in this process, None before `install`."""
-    return _installed
+    source = _installed
+    if source is None or isinstance(source, AnswerKeys):
+        return source
+    return source.current()
+
+
+def keep_current(index: HumanIndex) -> None:
+    """A job has read this work's key: the installed keys must hold it now, not
+    at their next look (a provider error about this job may echo it)."""
+    source = _installed
+    if source is not None and not isinstance(source, AnswerKeys) and not source.holds(index):
+        source.check()

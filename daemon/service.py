@@ -31,7 +31,7 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer
-from . import atomic, config, layout, llm, log, notify
+from . import atomic, config, layout, leakguard, llm, log, notify
 from .discovery import Discovery, subdirs
 from .errors import ConfigError, ExitCode, SkilltrainError
 from .jobs import Budget, Claims, Jobs
@@ -174,13 +174,17 @@ class Daemon:
             threading.Thread(target=self.audit, name="audit", daemon=True).start()
 
     def _install_answer_keys(self) -> None:
-        """Every work's index, for what belongs to no one work: log lines, error reasons."""
-        from . import leakguard
+        """Every work's index, for what belongs to no one work: log lines, error
+        reasons. Kept current with data/ (leakguard_live), built now."""
+        from .leakguard_live import LiveAnswerKeys
 
-        leakguard.install(leakguard.AnswerKeys(
-            leakguard.index_for(name, episodes)
-            for name, work in sorted(self.discovery.works.items())
-            if (episodes := work.read_all_human())))
+        def changed(works: int, episodes: int) -> None:
+            self.emit("answer_keys.reloaded", works=works, episodes=episodes)
+
+        keys = LiveAnswerKeys(self.cfg.paths.data)
+        keys.check()
+        keys.on_change = changed  # from now on: the first build is no change
+        leakguard.install(keys)
 
     def audit(self) -> None:
         """Full leak audit of runs/ (daemon/start_audit.py); hits logged without their text."""
@@ -243,6 +247,9 @@ class Daemon:
                 self._watcher_died()
                 continue
             self._flush_state()
+            # An idle daemon logs nothing that would make the keys look at
+            # data/: look once a tick, so that an edit is picked up (and said) soon.
+            leakguard.installed()
             line = self.status_line()
             if line != last_status:
                 self.notifier.status(line)

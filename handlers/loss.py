@@ -137,6 +137,10 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     # Read once per job: for the copy check now and the leak index after the call.
     all_human = job.work.read_all_human()
     _refuse_copies_of_the_answer_key(job, model, all_human)
+    # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
+    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
+    # Before the call: an error about it may echo this key into the log.
+    leakguard.keep_current(key_index)
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
@@ -170,8 +174,6 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
-    # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
-    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
     report, leaks = _guard(report, job, key_index, model, on_leak)
     skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
     if _archive_leaks(archive, skeleton, slot, model_block, key_index):
