@@ -178,12 +178,10 @@ class Daemon:
         reasons. Kept current with data/ (leakguard_live), built now."""
         from .leakguard_live import LiveAnswerKeys
 
-        def changed(works: int, episodes: int) -> None:
-            self.emit("answer_keys.reloaded", works=works, episodes=episodes)
-
         keys = LiveAnswerKeys(self.cfg.paths.data)
-        keys.check()
-        keys.on_change = changed  # from now on: the first build is no change
+        keys.check()  # the first build is no change; the next ones are said
+        keys.on_change = lambda works, eps: self.emit("answer_keys.reloaded", works=works,
+                                                      episodes=eps)
         leakguard.install(keys)
 
     def audit(self) -> None:
