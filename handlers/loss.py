@@ -133,7 +133,7 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     `on_contradiction`: what a report whose claims the measurements
     contradict becomes (craft_claims): "annotate" (the measured facts
     appended), "refuse" (more than `refuse_share` of its checked claims
-    contradicted: ContradictedReportError, nothing written) or "ignore"
+    contradicted: ContradictedReportError, nothing written; else annotated) or "ignore"
     (recorded in the sidecar only).
 
     Raises RefusedError (bad input or output: nothing written), LLMError
@@ -204,7 +204,7 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     claims = craft_claims.check_report(report, human_stats, model_stats)
     if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
         raise _contradicted(job, claims, refuse_share)
-    if on_contradiction == "annotate" and claims.contradicted:
+    if on_contradiction != "ignore" and claims.contradicted:
         # The optimizer reads the correction with the claim, never the claim alone.
         report = f"{report}\n\n{craft_claims.annotation(claims.contradicted)}"
     skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
