@@ -146,3 +146,58 @@ def test_facts_tables_hold_numbers_and_names_only(stats: tuple) -> None:
     table = craft_claims.facts_table(stats[0])
     assert table.count("\n") == len(craft_report.METRICS) + 1
     assert "MARTA" not in table  # the top speaker's name is not a statistic
+
+
+# ------------------------------------------------------------ visible (events in, text out)
+
+CHECKED = {"claims_status": "checked", "claims_confirmed": 5, "claims_contradicted": 1,
+           "claims_not_checkable": 2, "claims_malformed": 0, "claims_contradicted_share": 0.1667}
+
+
+def test_prometheus_counts_claims_by_verdict_and_unchecked_reports() -> None:
+    from prometheus_client import generate_latest
+
+    from skilltrain.daemon.metrics import Metrics
+
+    metrics = Metrics(lambda: {}, ["done"])
+    metrics.observe("loss.completed", CHECKED)
+    metrics.observe("loss.completed", {"claims_status": "not_checked", "claims_confirmed": 0,
+                                       "claims_contradicted": 0, "claims_not_checkable": 0})
+    metrics.observe("loss.contradicted", {**CHECKED, "claims_confirmed": 0})
+    metrics.observe("step.reported", {"run": "r1", "claims_contradicted_share": 0.25})
+    text = generate_latest(metrics.registry).decode()
+    assert 'skilltrain_claims_total{verdict="confirmed"} 5.0' in text
+    assert 'skilltrain_claims_total{verdict="contradicted"} 2.0' in text
+    assert 'skilltrain_claims_total{verdict="not_checkable"} 4.0' in text
+    assert 'skilltrain_reports_claims_unchecked_total{status="not_checked"} 1.0' in text
+    assert 'skilltrain_set_failures_total{kind="contradicted"} 1.0' in text
+    assert 'skilltrain_claims_contradicted_share{run="r1"} 0.25' in text
+
+
+def test_tail_shows_the_claims_of_each_report_and_the_share_of_each_step() -> None:
+    from skilltrain.daemon.tail_format import format_event
+
+    base = {"timestamp": "2026-05-04T09:12:03.120431Z", "level": "info", "run": "r1",
+            "epoch": 0, "step": 0, "work": "example", "range": "01-03"}
+    line = format_event({**base, "event": "loss.completed", "tokens_in": 1, **CHECKED})
+    assert "claims=5ok/1contradicted/2unknown" in line
+    line = format_event({**base, "event": "loss.completed", "claims_status": "not_checked"})
+    assert "claims=not-checked" in line
+    line = format_event({**base, "event": "loss.contradicted", "reason": "x", "attempts": 1,
+                         "next_retry_s": 60.0, **CHECKED})
+    assert "claims=5ok/1contradicted" in line and "retry in" in line
+    line = format_event({**base, "event": "step.reported", "sets": 2, "craft_distance": 0.3,
+                         "craft_distance_change": None, "claims_contradicted_share": 0.25})
+    assert "distance=0.3000" in line and "contradicted=25%" in line
+
+
+def test_progress_pools_the_steps_checked_claims() -> None:
+    from skilltrain.daemon import progress
+
+    sidecars = [{"claims": {"status": "checked", "confirmed": 3, "contradicted": 1}},
+                {"claims": {"status": "checked", "confirmed": 4, "contradicted": 0}},
+                {"claims": {"status": "not_checked", "confirmed": 0, "contradicted": 0}},
+                {"craft_distance": 0.2}]  # a sidecar of a daemon from before claims
+    row = progress.summarize("r1", 0, 0, sidecars, None)
+    assert row.claims_contradicted_share == 0.125 and row.claims_unchecked == 1
+    assert progress.summarize("r1", 0, 1, [{}], None).claims_contradicted_share is None
