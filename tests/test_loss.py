@@ -1123,7 +1123,8 @@ def test_annotate_appends_the_measured_facts_and_the_sidecar_keeps_each_verdict(
     assert (claims["status"], claims["confirmed"], claims["contradicted"]) == ("checked", 1, 2)
     speech = next(v for v in claims["verdicts"] if v["statistic"] == "speech_words_mean")
     assert speech["verdict"] == "contradicted" and speech["measured"] == "higher"
-    assert speech["human"] == pytest.approx(5.25) and speech["model"] == pytest.approx(21.7727, 1e-4)
+    assert speech["human"] == pytest.approx(5.25)
+    assert speech["model"] == pytest.approx(21.7727, 1e-4)
     assert result.claims.event_fields()["claims_contradicted_share"] == pytest.approx(0.6667)
 
 
