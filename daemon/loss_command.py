@@ -48,8 +48,10 @@ def main(args: argparse.Namespace) -> int:
     cost = "unknown cost" if c.cost_usd is None else f"${c.cost_usd:.4f}"
     print(f"[loss] wrote {result.report_path} ({result.report_bytes:,} bytes; "
           f"{c.tokens_in:,} tokens in, {c.tokens_out:,} out, {c.tokens_cached:,} cached, "
-          f"{cost}, {result.leaks_redacted} leaks redacted; claims: "
-          f"{_claims(result.claims)})", flush=True)
+          f"{cost}, {result.leaks_redacted} leaks redacted)", flush=True)
+    if result.claims.contradicted:
+        # On stderr, like the retries: stdout's two lines are what scripts read.
+        print(f"[loss] claims: {_claims(result.claims)}", file=sys.stderr, flush=True)
     return ExitCode.OK
 
 
