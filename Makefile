@@ -37,6 +37,7 @@ check: lint typecheck test
 
 bench: $(STAMP)
 	$(BIN)/python bench/leakguard_bench.py
+	$(BIN)/python bench/claims_bench.py
 
 clean:
 	rm -rf $(VENV) build

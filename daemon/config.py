@@ -104,6 +104,9 @@ class LogConfig(_Section):
 class IntegrityConfig(_Section):
     on_leak: Literal["redact", "refuse"] = "redact"
     audit_on_start: bool = True
+    # A report whose claims the craft statistics contradict (docs/grounded-reports.md).
+    on_contradiction: Literal["annotate", "refuse", "ignore"] = "annotate"
+    refuse_share: float = Field(0.5, ge=0, le=1)
 
 
 class DaemonConfig(_Section):

@@ -85,7 +85,14 @@ def between(human: craft_measuring.ScreenplayStats,
 
 def of_episodes(human: Mapping[int, str], model: Mapping[int, str], *,
                 human_digest: str | None = None) -> CraftDistance:
-    """The distance of a report's model episodes from its human episodes.
+    """The distance of a report's model episodes from its human episodes."""
+    return between(*measure_pair(human, model, human_digest=human_digest))
+
+
+def measure_pair(human: Mapping[int, str], model: Mapping[int, str], *,
+                 human_digest: str | None = None,
+                 ) -> tuple[craft_measuring.ScreenplayStats, craft_measuring.ScreenplayStats]:
+    """Both sides measured, pooled over their episodes.
 
     `human_digest` (dataset.episodes_digest of `human`) lets the measured
     human side be reused: it is the same for every step of every run.
@@ -95,7 +102,7 @@ def of_episodes(human: Mapping[int, str], model: Mapping[int, str], *,
         human_stats = _measure(human)
         if human_digest:
             _HUMAN_CACHE.put(human_digest, human_stats)
-    return between(human_stats, _measure(model))
+    return human_stats, _measure(model)
 
 
 def _measure(episodes: Mapping[int, str]) -> craft_measuring.ScreenplayStats:

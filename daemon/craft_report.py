@@ -307,6 +307,11 @@ def build_report(human: Mapping[int, str], model: Mapping[int, str]) -> str:
     out += ["", "## Key numbers", "", *_table(hs.overall, ms.overall), "", "## Episode notes", ""]
     notes = _episode_notes(hs, ms)
     out += notes or ["No single episode departs strongly from the overall pattern."]
+    # The claims list the loss step checks (craft_claims), from the same numbers:
+    # every one of them is confirmed. Imported here: craft_claims reads METRICS.
+    from .craft_claims import grounded_claims, section
+
+    out += ["", section(grounded_claims(hs.overall, ms.overall))]
     report = "\n".join(out) + "\n"
     assert_no_quote(report, [*human.values(), *model.values()])
     return report

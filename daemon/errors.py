@@ -7,6 +7,7 @@ traceback. Anything else is a bug and is logged with its traceback.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class ExitCode(enum.IntEnum):
@@ -44,6 +45,17 @@ class BadOutputError(RefusedError):
     """Raised when the model's reply must not become a report: empty, or cut
     off (finish_reason=length). Nothing is written; unlike bad input, the set
     is retried, since the next reply may be whole."""
+
+
+class ContradictedReportError(BadOutputError):
+    """Raised in refuse mode when more than the configured share of a report's
+    checked claims are contradicted by the measurements (craft_claims): a
+    confidently wrong report is bogus signal. Nothing is written; the set is
+    retried like a failed call. `counts`: the claims' event fields."""
+
+    def __init__(self, message: str, counts: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.counts = counts
 
 
 class InputsChangedError(RefusedError):

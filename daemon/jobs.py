@@ -23,6 +23,7 @@ from . import config, dataset, layout, log
 from .errors import (
     BadOutputError,
     ConfigError,
+    ContradictedReportError,
     InputsChangedError,
     LLMError,
     RefusedError,
@@ -213,7 +214,9 @@ class Jobs:
 
         try:
             result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
-                              on_leak=self.cfg.integrity.on_leak, confine_to=self.runs,
+                              on_leak=self.cfg.integrity.on_leak,
+                              on_contradiction=self.cfg.integrity.on_contradiction,
+                              refuse_share=self.cfg.integrity.refuse_share, confine_to=self.runs,
                               answer_key=self.cfg.paths.data,
                               hooks=loss.LossHooks(started=started, retry=retry),
                               complete=self.complete, sleep=self._interruptible_sleep)
@@ -223,6 +226,10 @@ class Jobs:
             self.emit("loss.discarded", level="warning", reason=str(e))
             self.state.update(key.id, SetState.SETTLING, reason=str(e))
             self.settle_again(key)
+            return
+        except ContradictedReportError as e:
+            # Whole but confidently wrong: bogus signal, retried like a failed call.
+            self._fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
             return
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
@@ -259,7 +266,8 @@ class Jobs:
                   tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
                   duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
                   attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
-                  craft_distance=result.sidecar.get("craft_distance"))
+                  craft_distance=result.sidecar.get("craft_distance"),
+                  **result.claims.event_fields())
         self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
                   cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
                   tokens_cache_write=spend.tokens_cache_write)
@@ -268,7 +276,8 @@ class Jobs:
                           fingerprint=fp.as_json())
 
     def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
-              retry_after_s: float | None = None, event: str = "loss.failed") -> None:
+              retry_after_s: float | None = None, event: str = "loss.failed",
+              **details: Any) -> None:
         attempts += 1
         self.failures += 1
         gave_up = attempts >= self.cfg.loss.max_attempts
@@ -278,7 +287,8 @@ class Jobs:
             next_at = max(next_at, self.clock() + min(retry_after_s, self.cfg.llm.backoff_max_s))
         self.emit(event, level="error" if event == "loss.failed" else "warning", reason=reason,
                   attempts=attempts,
-                  next_retry_s=None if next_at is None else round(next_at - self.clock(), 1))
+                  next_retry_s=None if next_at is None else round(next_at - self.clock(), 1),
+                  **details)
         self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
                           next_retry_at=next_at, fingerprint=fp.as_json())
         if next_at is not None:

@@ -19,11 +19,14 @@ sets of the human shingles. Two rules start a leak:
    words (LONG_MIN_CONTENT_WORDS = 0). A voice-over line of common words
    ("What in the world is wrong with her? She had a walk this morning.") is
    as much the answer key as a distinctive one. The windows read are the
-   lines (dialogue and action) and, for a quoted exchange that keeps its cue
-   names, windows of the full text of which at least half are lines; a run
-   made mostly of scene headings and cues is the story's (a closed-book
-   writer of the same story names the same places and people: data/example's
-   independent draft shares an 8-word heading with its human script).
+   lines (dialogue and action), any one line whole whatever its kind (a
+   nine-word scene heading of rare names, a long parenthetical: issue 25)
+   and, for a quoted exchange that keeps its cue names, windows of the full
+   text of which at least half are lines. A run across a heading and the
+   cue after it is the story's (a closed-book writer of the same story names
+   the same places and people: data/example's independent draft shares a
+   7-word heading and the cue after it with its human script); stock
+   headings are short ("INT. KITCHEN - NIGHT").
 2. SHINGLE_WORDS (7) words with at least MIN_CONTENT_WORDS (2) that are not
    stock: a distinctive 7-word line is a quote too.
 
@@ -59,6 +62,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from . import textnorm
 from .leakguard_index import (
@@ -79,8 +83,9 @@ REDACTION_MARKER = "[verbatim answer-key passage removed]"
 # The index (leakguard_index.py) is re-exported: callers know one module, the guard.
 __all__ = [
     "LONG_MIN_CONTENT_WORDS", "LONG_RUN_WORDS", "MIN_CONTENT_WORDS", "REDACTION_MARKER",
-    "SHINGLE_WORDS", "STOCK_LINES", "AnswerKeys", "HumanIndex", "Leak", "find_leaks",
-    "index_for", "install", "installed", "redact", "shingle_hashes", "tokens",
+    "SHINGLE_WORDS", "STOCK_LINES", "AnswerKeys", "HumanIndex", "KeySource", "Leak",
+    "find_leaks", "index_for", "install", "installed", "keep_current", "redact",
+    "shingle_hashes", "tokens",
 ]
 
 
@@ -263,16 +268,25 @@ class AnswerKeys:
         return redact(text, leaks, marker) if leaks else text
 
 
-_installed: AnswerKeys | None = None
+class KeySource(Protocol):
+    """Answer keys that follow data/ (leakguard_live.LiveAnswerKeys)."""
+
+    def current(self) -> AnswerKeys: ...
+    def holds(self, index: HumanIndex) -> bool: ...
+    def check(self) -> bool: ...
+
+
+_installed: AnswerKeys | KeySource | None = None
 _installed_lock = threading.Lock()
 
 
-def install(keys: AnswerKeys | None) -> None:
+def install(keys: AnswerKeys | KeySource | None) -> None:
     """Make `keys` the process's answer keys (the daemon, once works are loaded).
 
     Logging (log._seal_answer_key), provider error messages (llm) and state
     reasons are checked against them. None: no keys (library log records are
-    then withheld whole).
+    then withheld whole). A KeySource is asked each time, so that a key
+    edited or added while the daemon runs is guarded without a restart.
     """
     global _installed
     with _installed_lock:
@@ -281,4 +295,15 @@ def install(keys: AnswerKeys | None) -> None:
 
 def installed() -> AnswerKeys | None:
     """The answer keys installed in this process, None before `install`."""
-    return _installed
+    source = _installed
+    if source is None or isinstance(source, AnswerKeys):
+        return source
+    return source.current()
+
+
+def keep_current(index: HumanIndex) -> None:
+    """A job has read this work's key: the installed keys must hold it now, not
+    at their next look (a provider error about this job may echo it)."""
+    source = _installed
+    if source is not None and not isinstance(source, AnswerKeys) and not source.holds(index):
+        source.check()

@@ -28,6 +28,9 @@ SHINGLE_WORDS = 7
 LONG_RUN_WORDS = 8
 MIN_CONTENT_WORDS = 2
 LONG_MIN_CONTENT_WORDS = 0
+# Rule 1 reads every line of the key, headings and parentheticals included
+# (HumanIndex.build's long_reach; bench/RESULTS.md "Issue 25").
+LONG_REACH = "line"
 
 tokens = textnorm.tokens
 
@@ -163,44 +166,46 @@ class _Streams:
 
     full: list[str] = field(default_factory=list)
     furniture: list[bool] = field(default_factory=list)  # per token of full
+    line_of: list[int] = field(default_factory=list)  # per token of full: its source line
     free: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)  # the words of cue names
 
     @classmethod
     def of(cls, text: str) -> _Streams:
         st = cls()
-        for line in text.splitlines():
+        for number, line in enumerate(text.splitlines()):
             if not line or line.isspace():
                 continue
             kind = _line_kind(line)
             if kind != "text":
                 if kind == "cue":
                     st.names.update(tokens(_PARENS.sub(" ", line)))
-                st._add(line, furniture=True)
+                st._add(line, furniture=True, line=number)
                 continue
             pos = 0
             if (m := _CUE_COLON.match(line)) is not None:  # "WALTER: Sold."
                 st.names.update(tokens(m.group(1)))
-                st._add(line[: m.end()], furniture=True)
+                st._add(line[: m.end()], furniture=True, line=number)
                 pos = m.end()
             for paren in _PARENS.finditer(line, pos):
-                st._add(line[pos : paren.start()], furniture=False)
-                st._add(paren.group(), furniture=True)
+                st._add(line[pos : paren.start()], furniture=False, line=number)
+                st._add(paren.group(), furniture=True, line=number)
                 pos = paren.end()
-            st._add(line[pos:], furniture=False)
+            st._add(line[pos:], furniture=False, line=number)
         return st
 
-    def _add(self, segment: str, *, furniture: bool) -> None:
+    def _add(self, segment: str, *, furniture: bool, line: int) -> None:
         toks = tokens(segment)
         self.full += toks
         self.furniture += [furniture] * len(toks)
+        self.line_of += [line] * len(toks)
         if not furniture:
             self.free += toks
 
 
 def _digest(work: str, episodes: Mapping[int, str], n: int, min_content: int,
-            long_n: int, long_min_content: int) -> str:
-    h = hashlib.sha256(f"{work}\0{n}\0{min_content}\0{long_n}\0{long_min_content}\0".encode())
+            long_n: int, long_rule: int | str) -> str:
+    h = hashlib.sha256(f"{work}\0{n}\0{min_content}\0{long_n}\0{long_rule}\0".encode())
     for number in sorted(episodes):
         h.update(f"{number}\0{len(episodes[number])}\0".encode())
         h.update(episodes[number].encode("utf-8", "surrogatepass"))
@@ -241,9 +246,16 @@ class HumanIndex:
         min_content: int = MIN_CONTENT_WORDS,
         long_n: int = LONG_RUN_WORDS,
         long_min_content: int = LONG_MIN_CONTENT_WORDS,
+        long_reach: str = LONG_REACH,
     ) -> HumanIndex:
+        """`long_reach`: which runs of long_n words start a leak by rule 1 --
+        "lines" (dialogue and action, and windows mostly of them), "line"
+        (those, and long_n words of any one line: a heading, a parenthetical),
+        "any" (every run of the text, across headings and cues too)."""
         if n < 1 or long_n < n:
             raise ValueError(f"shingle lengths must be 1 <= n <= long_n, got {n}, {long_n}")
+        if long_reach not in ("lines", "line", "any"):
+            raise ValueError(f"long_reach must be 'lines', 'line' or 'any', not {long_reach!r}")
         streams = {number: _Streams.of(text) for number, text in episodes.items()}
         names = set().union(*(st.names for st in streams.values()))
         # "Martha's" folds to "marthas": a possessive is as much a name as the name.
@@ -264,10 +276,11 @@ class HumanIndex:
             # "auction" in a line of dialogue does.
             full_weak = [f or t in weak_words for t, f in zip(st.full, st.furniture, strict=True)]
             free_weak = [t in weak_words for t in st.free]
-            # Rule 1 reads the lines only: a scene heading or a cue is the
-            # story's (a closed-book writer of the same story names the same
-            # places and people), and "EXT. HILLCREST CARE HOME - CAR PARK -
-            # NIGHT" is 7 words already.
+            # Rule 1 reads the lines, and any one line whole; a run across
+            # a heading and the cue after it is the story's (a closed-book
+            # writer of the same story names the same places and people:
+            # "EXT. HILLCREST CARE HOME - CAR PARK - NIGHT" is 7 words, and
+            # the cue after it makes 8).
             long_hashes = shingle_hashes(st.free, long_n)
             long_runs.update(long_hashes)
             long_seeds.update(_with_content(long_hashes, free_weak, long_n, long_min_content))
@@ -275,9 +288,18 @@ class HumanIndex:
             # windows of the full text count when most of their words are lines.
             full_long = shingle_hashes(st.full, long_n)
             long_runs.update(full_long)
-            mostly_lines = set(_with_content(full_long, st.furniture, long_n, long_n // 2))
+            starts = set(_with_content(full_long, st.furniture, long_n, long_n // 2))
+            # Any long_n words of one line are the key, whatever the line: a
+            # scene heading or a parenthetical quoted whole is as much a quote
+            # as dialogue (stock headings are short: "INT. KITCHEN - NIGHT").
+            if long_reach == "any":
+                starts.update(full_long)
+            elif long_reach == "line":
+                line_of = st.line_of
+                starts.update(h for i, h in enumerate(full_long)
+                              if line_of[i] == line_of[i + long_n - 1])
             long_seeds.update(h for h in _with_content(full_long, full_weak, long_n,
-                                                       long_min_content) if h in mostly_lines)
+                                                       long_min_content) if h in starts)
             for toks, weak in ((st.full, full_weak), (st.free, free_weak)):
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
@@ -286,7 +308,8 @@ class HumanIndex:
         long_seeds -= _stock_runs(long_n)
         return cls(
             work=work,
-            digest=_digest(work, episodes, n, min_content, long_n, long_min_content),
+            digest=_digest(work, episodes, n, min_content, long_n,
+                           f"{long_min_content}/{long_reach}"),
             n=n,
             long_n=long_n,
             n_words=n_words,
@@ -327,7 +350,7 @@ _cache_lock = threading.Lock()
 def index_for(work: str, episodes: Mapping[int, str]) -> HumanIndex:
     """The index of this exact text, built once per process (LRU, _CACHE_SIZE works)."""
     key = _digest(work, episodes, SHINGLE_WORDS, MIN_CONTENT_WORDS, LONG_RUN_WORDS,
-                  LONG_MIN_CONTENT_WORDS)
+                  f"{LONG_MIN_CONTENT_WORDS}/{LONG_REACH}")
     with _cache_lock:
         index = _cache.get(key)
         if index is not None:

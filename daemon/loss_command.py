@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from ..handlers import loss
-from . import config, dataset, llm
+from . import config, craft_claims, dataset, llm
 from .errors import ExitCode, LLMError, RefusedError
 from .templates import PromptTemplates
 
@@ -35,6 +35,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = loss.run(job, settings=settings, templates=PromptTemplates(cfg.paths.prompts),
                           on_leak=cfg.integrity.on_leak,
+                          on_contradiction=cfg.integrity.on_contradiction,
+                          refuse_share=cfg.integrity.refuse_share,
                           hooks=loss.LossHooks(started=started, retry=retry))
     except RefusedError as e:
         print(f"[loss] refused: {e}", file=sys.stderr)
@@ -47,4 +49,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"[loss] wrote {result.report_path} ({result.report_bytes:,} bytes; "
           f"{c.tokens_in:,} tokens in, {c.tokens_out:,} out, {c.tokens_cached:,} cached, "
           f"{cost}, {result.leaks_redacted} leaks redacted)", flush=True)
+    if result.claims.contradicted:
+        # On stderr, like the retries: stdout's two lines are what scripts read.
+        print(f"[loss] claims: {_claims(result.claims)}", file=sys.stderr, flush=True)
     return ExitCode.OK
+
+
+def _claims(claims: craft_claims.ClaimCheck) -> str:
+    if claims.status != "checked":
+        return claims.status.replace("_", " ")
+    c = claims.counts
+    return (f"{c['confirmed']} confirmed, {c['contradicted']} contradicted, "
+            f"{c['not_checkable']} not checkable")

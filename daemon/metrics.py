@@ -30,6 +30,8 @@ TOKEN_KINDS = {"in": "tokens_in", "out": "tokens_out", "cached": "tokens_cached"
 # One loss completion takes seconds to minutes; retries and their waits included.
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 
+CLAIM_VERDICTS = ("confirmed", "contradicted", "not_checkable")
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -78,7 +80,19 @@ class Metrics:
         self.startup_catching_up = Gauge(f"{PREFIX}_startup_catching_up",
                                          "1 while the start-up scan runs (ready, not caught up)",
                                          registry=r)
-        for kind in ("failed", "refused"):
+        self.contradicted_share = Gauge(
+            f"{PREFIX}_claims_contradicted_share", "Share of the checked claims of the run's "
+            "last reported step that the measurements contradict", ["run"], registry=r)
+        self.claims = Counter(f"{PREFIX}_claims", "Report claims checked against the "
+                              "measurements, by verdict", ["verdict"], registry=r)
+        self.unchecked = Counter(f"{PREFIX}_reports_claims_unchecked", "Reports whose claims "
+                                 "could not be checked: no list, or a list with no readable "
+                                 "claim", ["status"], registry=r)
+        for verdict in CLAIM_VERDICTS:
+            self.claims.labels(verdict)
+        for status in ("not_checked", "malformed"):
+            self.unchecked.labels(status)
+        for kind in ("failed", "refused", "contradicted"):
             self.set_failures.labels(kind)  # present at 0 from the first scrape
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind)
@@ -95,7 +109,9 @@ class Metrics:
             for kind, name in TOKEN_KINDS.items():
                 self.tokens.labels(kind).inc(_number(fields.get(name)))
             self.cost.inc(_number(fields.get("cost_usd")))
-        elif event in ("loss.failed", "loss.refused"):
+        if event in ("loss.completed", "loss.contradicted"):
+            self._count_claims(fields)
+        if event in ("loss.failed", "loss.refused", "loss.contradicted"):
             self.set_failures.labels(event.split(".")[1]).inc()
         elif event == "step.reported" and isinstance(fields.get("run"), str):
             run = fields["run"]
@@ -103,6 +119,16 @@ class Metrics:
             distance = fields.get("craft_distance")
             if isinstance(distance, int | float):
                 self.craft_distance.labels(run).set(distance)
+            share = fields.get("claims_contradicted_share")
+            if isinstance(share, int | float):
+                self.contradicted_share.labels(run).set(share)
+
+    def _count_claims(self, fields: Mapping[str, Any]) -> None:
+        for verdict in CLAIM_VERDICTS:
+            self.claims.labels(verdict).inc(_number(fields.get(f"claims_{verdict}")))
+        status = fields.get("claims_status")
+        if status in ("not_checked", "malformed"):
+            self.unchecked.labels(status).inc()
 
     def catching_up(self, looked: int, total: int) -> None:
         """The start-up scan's progress."""

@@ -45,6 +45,10 @@ class StepRow:
     sets: int  # sidecars found beside the step's reports
     craft_distance: float | None  # mean over the sets that have one
     craft_distance_change: float | None  # against the run's previous reported step
+    # Of the step's checked claims (docs/grounded-reports.md), the share the
+    # measurements contradict; None: no claim of the step could be checked.
+    claims_contradicted_share: float | None
+    claims_unchecked: int  # sets whose report had no readable claims list
     tokens_in: int
     tokens_out: int
     tokens_cached: int
@@ -127,6 +131,7 @@ def summarize(run: str, epoch: int, step: int, sidecars: Sequence[dict[str, Any]
     return StepRow(
         run=run, epoch=epoch, step=step, sets=len(sidecars),
         craft_distance=_round(mean), craft_distance_change=_round(change),
+        **_claims(sidecars),
         tokens_in=_sum(sidecars, "tokens_in"), tokens_out=_sum(sidecars, "tokens_out"),
         tokens_cached=_sum(sidecars, "tokens_cached"),
         tokens_cache_write=_sum(sidecars, "tokens_cache_write"),
@@ -166,7 +171,18 @@ def step_fields(runs: Path, step: layout.StepKey) -> dict[str, Any]:
                     step_sidecars(step.reports_dir(runs)), previous)
     _remember_distance(step.reports_dir(runs), row.craft_distance)
     return {"craft_distance": row.craft_distance,
-            "craft_distance_change": row.craft_distance_change}
+            "craft_distance_change": row.craft_distance_change,
+            "claims_contradicted_share": row.claims_contradicted_share}
+
+
+def _claims(sidecars: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The step's contradicted share (pooled over its sets' checked claims)."""
+    blocks = [c for s in sidecars if isinstance(c := s.get("claims"), dict)]
+    contradicted = _sum(blocks, "contradicted")
+    checked = contradicted + _sum(blocks, "confirmed")
+    return {"claims_contradicted_share": _round(contradicted / checked) if checked else None,
+            "claims_unchecked": sum(b.get("status") in ("not_checked", "malformed")
+                                    for b in blocks)}
 
 
 # reports folder -> (its (inode, mtime_ns) when read, the mean craft distance).
@@ -230,7 +246,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-_COLUMNS = ("run", "epoch", "step", "sets", "craft distance", "change",
+_COLUMNS = ("run", "epoch", "step", "sets", "craft distance", "change", "contradicted",
             "tokens in", "out", "cached", "cache write", "cost USD")
 
 
@@ -239,6 +255,7 @@ def render_table(rows: Sequence[StepRow], out: TextIO) -> None:
     table takes most of a second for that), and `grep`/`awk` read it as is."""
     cells = [(r.run, str(r.epoch), str(r.step), str(r.sets),
               _fmt(r.craft_distance, ".4f"), _fmt(r.craft_distance_change, "+.4f"),
+              _fmt(r.claims_contradicted_share, ".0%"),
               f"{r.tokens_in:,}", f"{r.tokens_out:,}", f"{r.tokens_cached:,}",
               f"{r.tokens_cache_write:,}", _fmt(r.cost_usd, ".4f")) for r in rows]
     widths = [max(len(c[i]) for c in [_COLUMNS, *cells]) for i in range(len(_COLUMNS))]

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer
-from . import atomic, config, dataset, layout, llm, log, notify
+from . import atomic, config, layout, leakguard, llm, log, notify
 from .discovery import Discovery
 from .errors import ConfigError, ExitCode
 from .jobs import Budget, Claims, Jobs
@@ -140,7 +140,7 @@ class Daemon:
                                                                else [])], started_at)
         self.loop.prepare()
         self.discovery.load_works()
-        _install_answer_keys(self.discovery.works)
+        _install_answer_keys(self.cfg.paths.data, self.emit)
         self.discovery.check_human_ranges()
         problem = self.state.load()
         if problem:
@@ -246,6 +246,9 @@ class Daemon:
                 self._watcher_died()
                 continue
             self._flush_state()
+            # An idle daemon logs nothing that would make the keys look at
+            # data/: look once a tick, so that an edit is picked up (and said) soon.
+            leakguard.installed()
             line = _status_line(self.state)
             if line != last_status:
                 self.notifier.status(line)
@@ -369,14 +372,15 @@ def _status_line(state: StateStore) -> str:
             f"${spent:.2f}")
 
 
-def _install_answer_keys(works: Mapping[str, dataset.Work]) -> None:
-    """Every work's index, for what belongs to no one work: log lines, error reasons."""
-    from . import leakguard
+def _install_answer_keys(data: Path, emit: Callable[..., None]) -> None:
+    """Every work's index, for what belongs to no one work: log lines, error
+    reasons. Kept current with data/ (leakguard_live), built now."""
+    from .leakguard_live import LiveAnswerKeys
 
-    leakguard.install(leakguard.AnswerKeys(
-        leakguard.index_for(name, episodes)
-        for name, work in sorted(works.items())
-        if (episodes := work.read_all_human())))
+    keys = LiveAnswerKeys(data)
+    keys.check()  # the first build is no change; the next ones are said
+    keys.on_change = lambda works, eps: emit("answer_keys.reloaded", works=works, episodes=eps)
+    leakguard.install(keys)
 
 
 def _loss_dirs(runs: Path) -> list[Path]:

@@ -126,7 +126,27 @@ def _f_loss_completed(rec: Record) -> list[str]:
         parts.append(f"leaks_redacted={rec['leaks_redacted']}")
     if isinstance(rec.get("attempts"), int) and rec["attempts"] > 1:
         parts.append(f"attempts={rec['attempts']}")
+    if (claims := _claims(rec)) is not None:
+        parts.append(claims)
     return parts
+
+
+def _claims(rec: Record) -> str | None:
+    """The report's claims checked against the measurements (docs/grounded-reports.md)."""
+    status = rec.get("claims_status")
+    if status is None:
+        return None  # a line of a daemon from before claims were checked
+    if status != "checked":
+        return f"claims={status.replace('_', '-')}"
+    text = (f"claims={rec.get('claims_confirmed', 0)}ok/"
+            f"{rec.get('claims_contradicted', 0)}contradicted")
+    if rec.get("claims_not_checkable"):
+        text += f"/{rec['claims_not_checkable']}unknown"
+    return text
+
+
+def _f_loss_contradicted(rec: Record) -> list[str]:
+    return [*_f_loss_failed(rec), *filter(None, [_claims(rec)])]
 
 
 def _f_loss_failed(rec: Record) -> list[str]:
@@ -155,6 +175,8 @@ def _f_step_reported(rec: Record) -> list[str]:
     if isinstance(distance, int | float):
         parts.append(f"distance={distance:.4f}")
         parts.append(f"change={change:+.4f}" if isinstance(change, int | float) else "change=-")
+    if isinstance(share := rec.get("claims_contradicted_share"), int | float):
+        parts.append(f"contradicted={share:.0%}")
     return [*parts, _kv("reports", rec.get("reports_dir", "?"))]
 
 
@@ -195,6 +217,7 @@ def _f_audit_leak(rec: Record) -> list[str]:
 _FIELDS: dict[str, Callable[[Record], list[str]]] = {
     "loss.completed": _f_loss_completed,
     "loss.failed": _f_loss_failed,
+    "loss.contradicted": _f_loss_contradicted,
     "loss.started": _f_loss_started,
     "loss.retry": _f_loss_retry,
     "step.reported": _f_step_reported,

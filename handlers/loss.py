@@ -21,9 +21,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..daemon import atomic, craft_distance, craft_prompt, dataset, leakguard, llm
+from ..daemon import (
+    atomic,
+    craft_claims,
+    craft_distance,
+    craft_measuring,
+    craft_prompt,
+    dataset,
+    leakguard,
+    llm,
+)
 from ..daemon.config import LLMConfig
-from ..daemon.errors import BadOutputError, InputsChangedError, RefusedError
+from ..daemon.errors import (
+    BadOutputError,
+    ContradictedReportError,
+    InputsChangedError,
+    RefusedError,
+)
 from ..daemon.templates import PromptTemplates
 
 TEMPLATE = "loss"
@@ -99,6 +113,7 @@ class LossResult:
     prompt_tokens: int | None  # None: not counted, the prompt fits by its bytes alone
     leaks_redacted: int
     duration_ms: int
+    claims: craft_claims.ClaimCheck
     sidecar: dict[str, Any] = field(repr=False)
 
 
@@ -111,12 +126,19 @@ class LossHooks:
 
 
 def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
-        on_leak: str = "redact", confine_to: Path | None = None,
+        on_leak: str = "redact", on_contradiction: str = "annotate",
+        refuse_share: float = craft_claims.REFUSE_SHARE, confine_to: Path | None = None,
         answer_key: Path | None = None, hooks: LossHooks | None = None,
         complete: CompleteFn = llm.complete,
         sleep: Callable[[float], None] = time.sleep,
         now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
     """Write the difference report for episodes job.first..job.last.
+
+    `on_contradiction`: what a report whose claims the measurements
+    contradict becomes (craft_claims): "annotate" (the measured facts
+    appended), "refuse" (more than `refuse_share` of its checked claims
+    contradicted: ContradictedReportError, nothing written; else annotated) or "ignore"
+    (recorded in the sidecar only).
 
     Raises RefusedError (bad input or output: nothing written), LLMError
     (the call failed for good: nothing written) or ConfigError (template).
@@ -141,6 +163,10 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     # Read once per job: for the copy check now and the leak index after the call.
     all_human = job.work.read_all_human()
     _refuse_copies_of_the_answer_key(job, model, all_human)
+    # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
+    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
+    # Before the call: an error about it may echo this key into the log.
+    leakguard.keep_current(key_index)
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
@@ -150,8 +176,12 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     )
     human_block = craft_prompt.format_episodes("Human", human)
     model_block = craft_prompt.format_episodes("Model", model)
+    # Measured once: the facts in the prompt, the claims check and the craft distance.
+    human_stats, model_stats = craft_distance.measure_pair(human, model,
+                                                           human_digest=hashes.human)
     fields = dict(work=job.work.name, title=job.work.title,
-                  episode_range=f"{job.first}-{job.last}", model_scripts=model_block)
+                  episode_range=f"{job.first}-{job.last}", model_scripts=model_block,
+                  **_facts(human_stats, model_stats))
     slot = f"[model-scripts-{secrets.token_hex(8)}]"  # where the archive's model block goes
     prompt = template.render(human_scripts=human_block, **fields)
     placeholder = _placeholder(human)
@@ -174,9 +204,13 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
-    # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
-    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
     report, leaks = _guard(report, job, key_index, model, on_leak)
+    claims = craft_claims.check_report(report, human_stats, model_stats)
+    if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
+        raise _contradicted(job, claims, refuse_share)
+    if on_contradiction != "ignore" and claims.contradicted:
+        # The optimizer reads the correction with the claim, never the claim alone.
+        report = f"{report}\n\n{craft_claims.annotation(claims.contradicted)}"
     skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
     if _archive_leaks(archive, skeleton, slot, model_block, key_index):
         # The template puts answer-key text into the archive by some other
@@ -206,7 +240,8 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         "attempts": completion.attempts,
         "leaks_redacted": leaks,
         # A progress indicator beside the report, never part of the training signal.
-        **craft_distance.of_episodes(human, model, human_digest=hashes.human).sidecar_fields(),
+        **craft_distance.between(human_stats, model_stats).sidecar_fields(),
+        **claims.sidecar_fields(on_contradiction),
         "prompt_chars": len(prompt),
         "prompt_tokens": prompt_tokens,
         "duration_ms": duration_ms,
@@ -222,7 +257,18 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
                       hashes=hashes, completion=completion, prompt_chars=len(prompt),
                       prompt_tokens=prompt_tokens, leaks_redacted=leaks,
-                      duration_ms=duration_ms, sidecar=sidecar)
+                      duration_ms=duration_ms, claims=claims, sidecar=sidecar)
+
+
+def _contradicted(job: LossJob, claims: craft_claims.ClaimCheck,
+                  share: float) -> ContradictedReportError:
+    """Why a report is refused as confidently wrong: counts and statistic names only."""
+    c = claims.counts
+    wrong = ", ".join(v.statistic for v in claims.contradicted)
+    return ContradictedReportError(
+        f"the report for {job.work.name} ep{job.range_label} makes claims the measurements "
+        f"contradict: {c['contradicted']} of {c['contradicted'] + c['confirmed']} checked, "
+        f"more than {share:.0%} ({wrong}); not written", claims.event_fields())
 
 
 def _check_window(messages: list[llm.Message], model: str, window: int | None,
@@ -253,9 +299,22 @@ def check_template(templates: PromptTemplates) -> None:
     variable: a syntax error or a misspelt variable stops start-up (exit 2)
     instead of failing every job."""
     placeholder = "[placeholder]"
+    stats = dict.fromkeys(craft_claims.STATISTICS, 0.0)
     templates.load(TEMPLATE).render(
         work=placeholder, title=placeholder, episode_range="1-3",
-        human_scripts=placeholder, model_scripts=placeholder)
+        human_scripts=placeholder, model_scripts=placeholder,
+        human_facts=placeholder, model_facts=placeholder,
+        human_stats=stats, model_stats=stats)
+
+
+def _facts(human: craft_measuring.ScreenplayStats,
+           model: craft_measuring.ScreenplayStats) -> dict[str, Any]:
+    """The template's measured statistics: tables to show, values to lay out."""
+    return {"human_facts": craft_claims.facts_table(human),
+            "model_facts": craft_claims.facts_table(model),
+            "human_stats": craft_claims.stats_values(human),
+            "model_stats": craft_claims.stats_values(model)}
+
 
 
 def build_messages(prompt: str, model_block: str, model: str) -> list[llm.Message]:

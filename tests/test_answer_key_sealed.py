@@ -23,11 +23,13 @@ from skilltrain.daemon import leakguard, textnorm
 from skilltrain.daemon.state import SetState, StateStore
 from tests.corpus import adversarial
 from tests.daemon_helpers import (
+    DaemonProcess,
     Workspace,
     build_workspace,
     release_llm_clients,
     run_cli,
     run_once_in_process,
+    wait_until,
 )
 from tests.llm_server import LLMServer, Reply, Request
 
@@ -278,3 +280,39 @@ def test_a_run_folder_named_with_a_line_of_the_key_is_not_scored(
     saved = ws.state_file.read_bytes().decode("utf-8", "replace")
     assert "quotes the answer key" in saved and not human_runs(saved)
     assert_sealed(ws)
+
+
+NEW_LINE = "Quillon pawned the brass sextant to settle Ezekiel's ferry debt before the tide turned."
+
+
+def test_a_key_edited_while_the_daemon_runs_is_guarded_in_the_log_without_a_restart(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Issue 25: the log's indexes were built at start. A line added to the key
+    # later, then used as a run folder's name (in every log line of that run),
+    # must be known to the log's guard and to the run-name check at once.
+    ws = key_workspace(tmp_path, llm_server)
+    episode = ws.data / "beauty0" / "human" / "ep03.txt"
+    with DaemonProcess(ws) as daemon:
+        daemon.wait_event("step.reported", 60, run="r1")
+        with episode.open("a", encoding="utf-8") as f:  # edited in place: same inode
+            f.write(f"\nLESTER\n{NEW_LINE}\n")
+        reloaded = daemon.wait_event("answer_keys.reloaded", 20)
+        assert reloaded["works"] == 1 and reloaded["episodes"] == 6
+        # A work added while it runs is guarded too.
+        added = ws.data / "added" / "human"
+        added.mkdir(parents=True)
+        (added / "ep01.txt").write_text(
+            "INT. VAULT - NIGHT\n\nODO\nThe tallow clerk sold every ledger of the marsh "
+            "parish to the Flemish glassblowers.\n", encoding="utf-8")
+        daemon.wait_event("answer_keys.reloaded", 20, works=2)
+        ws.write_step(NEW_LINE, 0, 0, success=True)
+        refused = daemon.wait_event("set.unusable", 30)
+        assert "quotes the answer key" in refused["reason"]
+        ws.write_step("The tallow clerk sold every ledger of the marsh parish", 0, 0,
+                      success=True)
+        wait_until(lambda: len(ws.events("set.unusable")) == 2, 30,
+                   message="the run named with the added work's line refused")
+    log = ws.log_file.read_text(encoding="utf-8")
+    assert "[verbatim answer-key passage removed]" in log
+    assert "sextant" not in log and "tallow" not in log
+    assert not [e for e in ws.events("set.ready") if e["run"] != "r1"]

@@ -260,3 +260,16 @@ def test_damaged_gzip_is_reported_not_clean(
     ]
     assert audit.run(root, WORKS, as_json=False) == 1
     assert "unreadable" in capsys.readouterr().err
+
+
+def test_a_long_heading_of_the_key_is_found_whole(tmp_path: Path) -> None:
+    # Issue 25: headings were exempt; nine words of rare names are the key.
+    heading = "EXT. QUIXWELL-ARBANOV LIGHTHOUSE - ZELTRANE SLIPWAY - VORSK DUNES - DAWN"
+    index = leakguard.HumanIndex.build("lighthouse", {3: f"{heading}\n\n{HUMAN_EP3}"})
+    root = _clean_tree(tmp_path / "runs")
+    assert audit_tree(root, [index]) == []  # the short shared heading stays allowed
+    notes = root / "run1" / "optimizer" / "notes.md"
+    notes.parent.mkdir(parents=True)
+    notes.write_text(f"# Skill\n\nOpen like the original: {heading}\n", encoding="utf-8")
+    (hit,) = audit_tree(root, [index])
+    assert (hit.file, hit.line, hit.n_words) == (notes, 3, 9)

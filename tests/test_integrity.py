@@ -179,3 +179,71 @@ def test_audit_is_clean_after_a_daemon_run_and_finds_a_planted_leak(
     dirty = subprocess.run(audit, env=env, capture_output=True, text=True, timeout=60)
     assert dirty.returncode == 1
     assert "scratch.txt:2" in dirty.stdout
+
+
+def test_refuse_mode_a_contradicted_report_is_retried_and_never_reaches_the_optimizer(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Issue 25: a whole, well-formed report whose claims the measurements
+    # contradict is bogus signal in refuse mode: one loss.contradicted, nothing
+    # written, the set retried like a failed call; the second, true reply is
+    # written with its claim counts, and only then is the step reported.
+    root = tmp_path / "ws"
+    shutil.copytree(EXAMPLE, root / "data" / "example")
+    shutil.copytree(REPO / "prompts", root / "prompts")
+    scripts = root / "runs" / "r1" / "epoch_00" / "step_00" / "example" / "scripts"
+    scripts.mkdir(parents=True)
+    for n in range(1, 7):
+        shutil.copy(EXAMPLE / "model_draft" / f"ep{n:02d}.txt", scripts)
+    (scripts / "_SUCCESS").touch()
+    seen: list[str] = []
+
+    def reviewer(request: object) -> Reply:
+        prompt = "\n".join(str(m.get("content")) for m in request.messages)  # type: ignore[attr-defined]
+        first = "EP 01" if "=== Model EP 01 ===" in prompt else "EP 04"
+        seen.append(first)
+        # The model's speeches are longer than the human's in every range.
+        direction = "lower" if seen.count(first) == 1 else "higher"
+        return Reply.ok(f"Speeches differ.\n\n## Claims\n\n- speech_words_mean: {direction}\n")
+
+    llm_server.default = reviewer
+    log = root / "daemon.jsonl"
+    marker = root / "optimized.txt"
+    (root / "config.toml").write_text(
+        f'[llm]\nmodel = "openai/loopback-model"\napi_base = "{llm_server.url}"\n'
+        f'max_retries = 0\n[loss]\nretry_backoff_s = 0.2\nmax_attempts = 3\n'
+        f'[integrity]\naudit_on_start = false\non_contradiction = "refuse"\n'
+        f'[log]\nfile = "{log}"\n'
+        f'[optimizer]\ncommand = ["{sys.executable}", "-c", '
+        f'"open(r\'{marker}\', \'a\').write(\'{{reports_dir}}\\\\n\')"]\n', encoding="utf-8")
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    once = [str(SKILLTRAIN), "daemon", "--once", "--config", str(root / "config.toml")]
+    done = subprocess.run(once, env=env, capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in log.read_text("utf-8").splitlines()]
+    names = [e["event"] for e in events]
+    refused = [e for e in events if e["event"] == "loss.contradicted"]
+    assert len(refused) == 2, (done.stderr[-2000:], names)
+    assert all(e["claims_contradicted"] == 1 and e["next_retry_s"] is not None for e in refused)
+    assert "step.reported" not in names and not marker.exists()
+    assert not list((root / "runs" / "r1" / "loss").rglob("*.md"))
+    # --once does not wait out a retry: the next run takes the failed sets up again.
+    subprocess.run(once, env=env, capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in log.read_text("utf-8").splitlines()]
+    names = [e["event"] for e in events]
+    completed = [e for e in events if e["event"] == "loss.completed"]
+    assert len(completed) == 2
+    assert all(e["claims_confirmed"] == 1 and e["claims_contradicted"] == 0 for e in completed)
+    # The optimizer ran once, after both true reports, and no report says "lower".
+    assert names.index("step.reported") > max(i for i, n in enumerate(names)
+                                              if n == "loss.contradicted")
+    reported = next(e for e in events if e["event"] == "step.reported")
+    assert reported["claims_contradicted_share"] == 0.0
+    assert len(marker.read_text("utf-8").splitlines()) == 1
+    reports = sorted(p for p in (root / "runs" / "r1" / "loss").rglob("*.md")
+                     if not p.name.endswith("_prompt.md"))
+    assert [p.name for p in reports] == ["example_ep01-03.md", "example_ep04-06.md"]
+    assert all("speech_words_mean: higher" in p.read_text("utf-8") for p in reports)
+    progress = subprocess.run([str(SKILLTRAIN), "progress", "--config",
+                               str(root / "config.toml")], env=env, capture_output=True,
+                              text=True, timeout=60)
+    assert "contradicted" in progress.stdout.splitlines()[0]
+    assert " 0% " in progress.stdout.splitlines()[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -494,3 +495,126 @@ def test_a_quoted_exchange_with_its_cue_names_is_a_leak() -> None:
     assert len(find_leaks(report, index)) == 1
     # A heading and a cue shared with the human script are the story's.
     assert find_leaks("INT. BARN - DAY. MARTHA enters.", index) == []
+
+
+# Issue 25: headings were exempt from rule 1; a long one is the key like any line.
+RARE_HEADING = "INT. QUIXWELL-ARBANOV OBSERVATORY - ZELTRANE ANNEX - VORSK BASEMENT - NIGHT"
+HEADING_KEY = (f"{RARE_HEADING}\n\nMARTHA\nAre you coming?\n\n"
+               "EXT. BARN - DAY\n\nWALTER\n(leaning on the gate, not looking up from the muddy "
+               "ledger in his hands)\nNot yet.\n")
+
+
+def test_a_long_scene_heading_quoted_whole_is_a_leak() -> None:
+    index = HumanIndex.build("heading", {1: HEADING_KEY})
+    assert len(textnorm.tokens(RARE_HEADING)) == 9
+    report = f"The original opens on {RARE_HEADING.lower()} and never says why."
+    (leak,) = find_leaks(report, index)
+    assert _span(report, leak).upper() == RARE_HEADING
+    assert RARE_HEADING.lower() not in redact(report, [leak])
+    # Seen through the normalisation like any quote, and by the log's check too.
+    disguised = report.replace(" ", "\u200b ").replace("o", "\u043e")
+    assert find_leaks(disguised, index)
+    assert leakguard.AnswerKeys([index]).leaks(report)
+    # Eight of its words are enough; seven are not.
+    eight = " ".join(textnorm.tokens(RARE_HEADING)[1:])
+    assert find_leaks(f"It reads {eight}, in capitals.", index)
+    seven = " ".join(textnorm.tokens(RARE_HEADING)[2:])
+    assert find_leaks(f"It reads {seven}, in capitals.", index) == []
+
+
+def test_a_long_parenthetical_quoted_whole_is_a_leak() -> None:
+    index = HumanIndex.build("heading", {1: HEADING_KEY})
+    report = "Walter is leaning on the gate, not looking up from the muddy ledger in his hands."
+    assert find_leaks(report, index)
+
+
+def test_headings_the_model_wrote_too_and_short_stock_headings_stay_allowed() -> None:
+    index = HumanIndex.build("heading", {1: HEADING_KEY})
+    model = f"{RARE_HEADING}\n\nMARTHA\nWe should go.\n"
+    report = f"Both open on {RARE_HEADING}, a good choice."
+    assert find_leaks(report, index, allow_text=model) == []
+    assert find_leaks("EXT. BARN - DAY. WALTER waits; MARTHA: Are you coming?", index) == []
+
+
+def test_a_heading_and_the_cue_after_it_are_the_storys() -> None:
+    # data/example's independent draft has this pair: 7 heading words and the
+    # cue make 8 words of the key, across two lines, written closed-book.
+    key = "EXT. HILLCREST CARE HOME - CAR PARK - DAY\n\nDEV\nKeys. Where are the keys?\n"
+    draft = "EXT. HILLCREST CARE HOME - CAR PARK - DAY\n\nDev circles the van twice.\n"
+    assert find_leaks(draft, HumanIndex.build("example", {1: key})) == []
+    assert find_leaks(draft, HumanIndex.build("example", {1: key}, long_reach="any"))
+    with pytest.raises(ValueError, match="long_reach"):
+        HumanIndex.build("example", {1: key}, long_reach="headings")
+
+
+def _live_data(tmp_path: Path) -> Path:
+    human = tmp_path / "data" / "farm" / "human"
+    human.mkdir(parents=True)
+    (human / "ep01.txt").write_text(HUMAN_EP1, encoding="utf-8")
+    return tmp_path / "data"
+
+
+def test_live_keys_follow_edits_added_works_and_same_size_rewrites(tmp_path: Path) -> None:
+    from skilltrain.daemon.leakguard_live import LiveAnswerKeys
+
+    data = _live_data(tmp_path)
+    now = [0.0]
+    changes: list[tuple[int, int]] = []
+    live = LiveAnswerKeys(data, clock=lambda: now[0],
+                          on_change=lambda w, e: changes.append((w, e)))
+    leakguard.install(live)
+    try:
+        first = leakguard.installed()
+        assert first is not None and [i.work for i in first.indexes] == ["farm"]
+        line_a = "Quillon pawned the brass sextant to settle the ferry debt."
+        line_b = "Zelda burned the brass ledger to settle the harbour feuds."
+        assert len(line_a) == len(line_b)
+        episode = data / "farm" / "human" / "ep01.txt"
+        with episode.open("a", encoding="utf-8") as f:
+            f.write(f"\nMARTHA\n{line_a}\n")
+        # Not looked at again before the interval: the same object, cheaply.
+        assert leakguard.installed() is first
+        now[0] += live.every_s
+        assert leakguard.installed() is not first
+        assert leakguard.installed().leaks(f"She says {line_a}")  # type: ignore[union-attr]
+        # Rewritten in place at once, same size (mtime may not move within a
+        # tick): still seen, since a file this new is read again.
+        episode.write_text(episode.read_text("utf-8").replace(line_a, line_b), "utf-8")
+        now[0] += live.every_s
+        keys = leakguard.installed()
+        assert keys is not None and keys.leaks(f"She says {line_b}")
+        assert not keys.leaks(f"She says {line_a}")
+        # A work added while running.
+        added = data / "mill" / "human"
+        added.mkdir(parents=True)
+        (added / "ep02.txt").write_text("ODO\nThe tallow clerk sold every ledger of the marsh "
+                                        "parish to the glassblowers.\n", encoding="utf-8")
+        now[0] += live.every_s
+        keys = leakguard.installed()
+        assert keys is not None and sorted(i.work for i in keys.indexes) == ["farm", "mill"]
+        assert changes[-1] == (2, 2)
+        # Nothing changed: the same object (the log's cache is kept by it).
+        time.sleep(0.01)
+        now[0] += live.every_s
+        assert leakguard.installed() is keys
+    finally:
+        leakguard.install(None)
+
+
+def test_a_job_that_read_a_key_the_log_does_not_hold_makes_it_look_now(
+        tmp_path: Path) -> None:
+    from skilltrain.daemon.leakguard_live import LiveAnswerKeys
+
+    data = _live_data(tmp_path)
+    live = LiveAnswerKeys(data, every_s=3600)
+    leakguard.install(live)
+    try:
+        assert leakguard.installed() is not None
+        line = "Quillon pawned the brass sextant to settle the ferry debt."
+        text = HUMAN_EP1 + f"\nMARTHA\n{line}\n"
+        (data / "farm" / "human" / "ep01.txt").write_text(text, encoding="utf-8")
+        assert not leakguard.installed().leaks(line)  # type: ignore[union-attr]
+        leakguard.keep_current(leakguard.index_for("farm", {1: text}))
+        assert leakguard.installed().leaks(line)  # type: ignore[union-attr]
+    finally:
+        leakguard.install(None)

@@ -1124,3 +1124,94 @@ def test_caching_model_gets_the_stable_prefix_marked_cacheable() -> None:
     assert prefix["text"] + rest["text"] == prompt
     assert "=== End Human episodes ===" in prefix["text"]
     assert rest["text"].startswith(model_block)
+
+
+# ------------------------------------------------------------ grounded reports (issue 25)
+
+# The example ep01-03, measured: the model's speeches run 21.8 words against 5.2,
+# its scenes are fewer (2.7 against 6.3 per episode).
+WRONG_CLAIMS = (f"{REPORT}\n\n## Claims\n\n- speech_words_mean: lower\n"
+                "- scenes_per_episode: lower\n- dialogue_share: similar\n")
+
+
+def test_the_prompt_shows_both_sides_facts_human_before_the_models_episodes(
+        job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
+    llm_server.script(Reply.ok(REPORT))
+    run(job, settings())
+    prompt = llm_server.requests[0].messages[0]["content"]
+    human_table = prompt.index("Measured statistics of the human screenplay")
+    model_block = prompt.index("=== Model EP 01 ===")
+    model_table = prompt.index("Measured statistics of the model's screenplay")
+    assert human_table < model_block < model_table
+    assert "| `speech_words_mean` | Words per speech (mean) | 5.2 |" in prompt[:model_block]
+    assert "| `speech_words_mean` | Words per speech (mean) | 21.8 |" in prompt[model_table:]
+    assert "## Claims" in prompt  # the reviewer is asked for the list
+    archive = job.archive_path.read_text(encoding="utf-8")
+    assert "| `speech_words_mean` | Words per speech (mean) | 5.2 |" in archive
+    assert_no_human_text(archive)
+
+
+def test_annotate_appends_the_measured_facts_and_the_sidecar_keeps_each_verdict(
+        job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
+    llm_server.script(Reply.ok(WRONG_CLAIMS))
+    result = run(job, settings())  # annotate is the default
+    report = job.report_path.read_text(encoding="utf-8")
+    assert report.startswith(REPORT) and "- speech_words_mean: lower" in report
+    facts = report[report.index("## Measured facts"):]
+    assert "`speech_words_mean`" in facts and "model 21.8 against human 5.2" in facts
+    assert "`dialogue_share`" in facts and "scenes_per_episode" not in facts
+    claims = json.loads(job.sidecar_path.read_text("utf-8"))["claims"]
+    assert (claims["status"], claims["confirmed"], claims["contradicted"]) == ("checked", 1, 2)
+    speech = next(v for v in claims["verdicts"] if v["statistic"] == "speech_words_mean")
+    assert speech["verdict"] == "contradicted" and speech["measured"] == "higher"
+    assert speech["human"] == pytest.approx(5.25)
+    assert speech["model"] == pytest.approx(21.7727, 1e-4)
+    assert result.claims.event_fields()["claims_contradicted_share"] == pytest.approx(0.6667)
+
+
+def test_refuse_writes_nothing_when_too_many_claims_are_contradicted(
+        job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
+    from skilltrain.daemon.errors import BadOutputError, ContradictedReportError
+
+    llm_server.script(Reply.ok(WRONG_CLAIMS))
+    with pytest.raises(ContradictedReportError) as caught:
+        run(job, settings(), on_contradiction="refuse", refuse_share=0.5)
+    assert isinstance(caught.value, BadOutputError)  # retried like a bad reply
+    assert "2 of 3 checked" in str(caught.value) and "speech_words_mean" in str(caught.value)
+    assert caught.value.counts["claims_contradicted"] == 2
+    assert_nothing_written(job, job.report_path.parents[3])
+    # Under the share it is written, annotated: a contradicted claim never passes unseen.
+    llm_server.script(Reply.ok(WRONG_CLAIMS))
+    run(job, settings(), on_contradiction="refuse", refuse_share=0.7)
+    assert "## Measured facts" in job.report_path.read_text(encoding="utf-8")
+
+
+def test_ignore_and_a_report_without_claims_are_written_as_they_are(
+        job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
+    llm_server.script(Reply.ok(WRONG_CLAIMS))
+    run(job, settings(), on_contradiction="ignore")
+    assert job.report_path.read_text(encoding="utf-8") == WRONG_CLAIMS
+    assert json.loads(job.sidecar_path.read_text("utf-8"))["claims"]["contradicted"] == 2
+    llm_server.script(Reply.ok(REPORT))
+    result = run(job, settings(), on_contradiction="refuse", refuse_share=0.0)
+    assert result.claims.status == "not_checked"
+    assert json.loads(job.sidecar_path.read_text("utf-8"))["claims"]["status"] == "not_checked"
+
+
+def test_a_malformed_claims_list_is_reported_in_the_sidecar(
+        job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
+    llm_server.script(Reply.ok(f"{REPORT}\n\n## Claims\n\nspeeches are long\n"
+                               "- speech_words_mean: higher\n"))
+    run(job, settings())
+    claims = json.loads(job.sidecar_path.read_text("utf-8"))["claims"]
+    assert (claims["status"], claims["confirmed"], claims["malformed"]) == ("checked", 1, 1)
+    assert claims["malformed_lines"][0]["line"] == 5
+
+
+def test_the_built_in_reviewer_writes_the_list_and_every_claim_is_confirmed(
+        job: loss.LossJob, settings: SettingsFactory) -> None:
+    result = run(job, settings(model="builtin/craft-metrics", api_base=None))
+    assert "## Claims" in job.report_path.read_text(encoding="utf-8")
+    fields = result.claims.event_fields()
+    assert fields["claims_status"] == "checked" and fields["claims_confirmed"] >= 10
+    assert fields["claims_contradicted"] == 0 and fields["claims_not_checkable"] == 0
