@@ -246,9 +246,7 @@ class Daemon:
                 self._watcher_died()
                 continue
             self._flush_state()
-            # An idle daemon logs nothing that would make the keys look at
-            # data/: look once a tick, so that an edit is picked up (and said) soon.
-            leakguard.installed()
+            leakguard.installed()  # an idle daemon still picks up (and says) a key's edit
             line = _status_line(self.state)
             if line != last_status:
                 self.notifier.status(line)
