@@ -16,7 +16,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +54,7 @@ class StateDB:
                 raise sqlite3.DatabaseError("a SQLite database of something else")
             conn.execute("PRAGMA journal_mode=WAL")
             with _transaction(conn):
-                for table in (*TABLES, "meta"):
-                    conn.execute(f"CREATE TABLE {table} "
-                                 "(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                _create_tables(conn)
         elif version != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"schema version {version}, this daemon reads "
                                         f"{SCHEMA_VERSION}")
@@ -73,18 +70,8 @@ class StateDB:
 
     def write(self, changes: Changes, meta: Mapping[str, Any]) -> None:
         """The changed rows and the meta values, in one transaction."""
-        conn = self._conn
-        with _transaction(conn):
-            for table, rows in changes.items():
-                gone = [(_text(key),) for key, value in rows.items() if value is None]
-                kept = [(_text(key), json.dumps(value, separators=(",", ":")))
-                        for key, value in rows.items() if value is not None]
-                if gone:
-                    conn.executemany(f"DELETE FROM {table} WHERE key = ?", gone)
-                if kept:
-                    conn.executemany(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", kept)
-            conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                             [(key, json.dumps(value)) for key, value in meta.items()])
+        with _transaction(self._conn):
+            _write_rows(self._conn, changes, meta)
 
     def close(self) -> None:
         # The last connection to close checkpoints the WAL and removes it.
@@ -92,30 +79,54 @@ class StateDB:
 
 
 def read_only(path: Path) -> dict[str, Any] | None:
-    """The state as a reader sees it (status); None when there is no database.
+    """The state as a reader sees it, every row; None when there is no database."""
+    with open_read_only(path) as conn:
+        return None if conn is None else _read_all(conn)
+
+
+@contextlib.contextmanager
+def open_read_only(path: Path) -> Iterator[sqlite3.Connection | None]:
+    """A read-only connection for status's queries; None when there is no database.
 
     Creates nothing: with no -wal file (no daemon has it open) the file is
     opened immutable; with one, read-only through the WAL the daemon keeps.
+    The caller's queries run in one read transaction, so the counts they
+    add up come from one moment of the daemon's writes.
     """
     if not path.is_file():
-        return None
+        yield None
+        return
     wal = path.with_name(path.name + "-wal")
     for attempt in (1, 2):
         mode = "ro" if wal.exists() else "ro&immutable=1"
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode={mode}", uri=True,
-                               timeout=BUSY_TIMEOUT_S)
+                               timeout=BUSY_TIMEOUT_S, isolation_level=None)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version != SCHEMA_VERSION:
                 raise sqlite3.DatabaseError(f"schema version {version}")
-            return _read_all(conn)
+            conn.execute("BEGIN")
+            conn.execute("SELECT count(*) FROM meta").fetchone()  # the snapshot starts here
         except sqlite3.DatabaseError:
+            conn.close()
             if attempt == 2:
                 raise
-            # A daemon started or stopped between the look and the open: once more.
+            continue  # a daemon started or stopped between the look and the open: once more
+        try:
+            yield conn
         finally:
             conn.close()
-    raise AssertionError("unreachable")
+        return
+
+
+def in_memory(changes: Changes, meta: Mapping[str, Any]) -> sqlite3.Connection:
+    """A database in memory holding these rows: a state.json of an older daemon,
+    read through the same queries as the file."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    with _transaction(conn):
+        _create_tables(conn)
+        _write_rows(conn, changes, meta)
+    return conn
 
 
 def move_aside(path: Path) -> Path | None:
@@ -135,6 +146,25 @@ def _text(key: str) -> str:
     """A key SQLite can store: a path with undecodable bytes (surrogate escapes,
     a notice about a run folder's non-UTF-8 name) keeps them as \\udcNN."""
     return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _create_tables(conn: sqlite3.Connection) -> None:
+    for table in (*TABLES, "meta"):
+        conn.execute(f"CREATE TABLE {table} (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _write_rows(conn: sqlite3.Connection, changes: Changes, meta: Mapping[str, Any]) -> None:
+    for table, rows in changes.items():
+        gone = [(_text(key),) for key, value in rows.items() if value is None]
+        kept = [(_text(key), json.dumps(value, separators=(",", ":")))
+                for key, value in rows.items() if value is not None]
+        if gone:
+            conn.executemany(f"DELETE FROM {table} WHERE key = ?", gone)
+        if kept:
+            conn.executemany(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", kept)
+    conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                     [(key, json.dumps(value)) for key, value in meta.items()])
 
 
 def _read_all(conn: sqlite3.Connection) -> dict[str, Any]:

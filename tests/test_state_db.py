@@ -175,13 +175,14 @@ def test_a_flush_writes_only_the_changed_rows(tmp_path: Path) -> None:
     store.forget(ids[8])
     assert store.flush()
     writes = [s for s in statements if s.startswith(("INSERT", "DELETE"))]
-    # One row deleted, one written, the two meta values: nothing of the other 48 sets.
+    # One row deleted, one written, the four meta values (pid, heartbeat, started and
+    # scanned at): nothing of the other 48 sets.
     assert [w for w in writes if " sets " in w] == [
         f"DELETE FROM sets WHERE key = '{ids[8]}'",
         f"INSERT OR REPLACE INTO sets VALUES ('{ids[7]}', "
         f"'{json.dumps(_row(store, ids[7]), separators=(',', ':'))}')",
     ]
-    assert len(writes) == 4 and all(" meta " in w for w in writes[2:])
+    assert len(writes) == 6 and all(" meta " in w for w in writes[2:])
     store.close()
     reread = state_db.read_only(path)
     assert reread is not None and len(reread["sets"]) == 49
