@@ -120,7 +120,11 @@ def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str,
             now: float) -> dict[str, Any]:
     started = _number(meta.get("started_at"))
     scanned = _number(meta.get("scanned_at"))
-    if pid is not None and started is None:  # a daemon from before started_at was kept
+    # A daemon records when it started, and when its scans end, in the meta
+    # table (one from before that was kept says nothing: the lock file's
+    # time is its start, and whether it scanned is unknown).
+    scanning = pid is not None and started is not None and (scanned or 0.0) < started
+    if pid is not None and started is None:
         try:
             started = os.stat(runs / layout.STATE_DIR / LOCK_FILE).st_mtime
         except OSError:
@@ -128,7 +132,7 @@ def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str,
     backlog = {state: totals.get(state, 0) for state in (*BACKLOG, "settling")}
     if pid is None:
         activity = "stopped"
-    elif started is not None and (scanned is None or scanned < started):
+    elif scanning:
         activity = "scanning"  # what the state says may still be from before this start
     elif any(backlog[state] for state in BACKLOG):
         activity = "catching up"
