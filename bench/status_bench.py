@@ -12,7 +12,10 @@ fresh process (what a person typing the command waits for):
   and whether status's totals equal them;
 - `python -c pass`, the floor of any command;
 - with --base REF, `status` of that commit (git archive into a temp folder):
-  the implementation before this one, which loaded every set.
+  the implementation before this one, which loaded every set, on a copy of
+  the database in the schema it reads (version 1: the same rows, without
+  the indexed columns); and today's `status` on that copy (a daemon of
+  before still running: the rows are copied into memory).
 No runs/ tree is built: status reads only the state, the lock and run records.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -73,6 +78,21 @@ def timed(argv: list[str], repeat: int, env: dict[str, str] | None = None) -> tu
     return statistics.median(walls), lines
 
 
+def version_1_copy(runs: Path, to: Path) -> Path:
+    """The state database as schema version 1 had it (what --base's status reads)."""
+    path = to / "state.sqlite3"
+    to.mkdir(parents=True)
+    shutil.copy(runs / ".skilltrain" / "state.sqlite3", path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statement in ("DROP INDEX sets_by_step", "DROP INDEX sets_by_state",
+                      "ALTER TABLE sets DROP COLUMN step", "ALTER TABLE sets DROP COLUMN state",
+                      "ALTER TABLE sets DROP COLUMN updated_at", "PRAGMA user_version = 1",
+                      "VACUUM"):
+        conn.execute(statement)
+    conn.close()
+    return path
+
+
 def daemon_counts(runs: Path) -> tuple[float, dict[str, int]]:
     t0 = time.perf_counter()
     store = StateStore(runs)
@@ -122,9 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:>7} {name:<14} {wall * 1000:>8.0f} {lines:>7} {wall / floor:>6.1f}x "
                       f"{wall / load_s:>14.2f}x", flush=True)
             if base_env is not None:
-                wall, lines = timed(cli, max(1, args.repeat // 2), env=base_env)
-                print(f"{n:>7} {'base status':<14} {wall * 1000:>8.0f} {lines:>7} "
-                      f"{wall / floor:>6.1f}x {wall / load_s:>14.2f}x   ({args.base})", flush=True)
+                old = version_1_copy(runs, Path(tmp) / f"v1-{n}")
+                config.write_text(f'[paths]\nruns = "{runs}"\ndata = "{ROOT / "data"}"\n'
+                                  f'state = "{old}"\n')
+                for name, env in (("status on v1", None), ("base status", base_env)):
+                    wall, lines = timed(cli, max(1, args.repeat // 2), env=env)
+                    print(f"{n:>7} {name:<14} {wall * 1000:>8.0f} {lines:>7} "
+                          f"{wall / floor:>6.1f}x {wall / load_s:>14.2f}x", flush=True)
+                print(f"        (base: {args.base})")
     return 0
 
 

@@ -32,6 +32,11 @@ LEGACY_VERSION = 1
 DEFAULT_FILE = "state.sqlite3"
 
 
+# A set's reason while [llm] budget_usd holds it back (held, or stale: a report
+# exists whose inputs changed); status counts these as held, not as backlog.
+BUDGET_REASON = "budget reached"
+
+
 class SetState(enum.StrEnum):
     WAITING = "waiting"  # range incomplete: episodes missing or empty
     SETTLING = "settling"  # complete, still being written (changed < settle_seconds ago)

@@ -96,6 +96,27 @@ def running_since(conn: sqlite3.Connection, before: float) -> list[dict[str, Any
         "ORDER BY key", (before,))]
 
 
+def stale_held(conn: sqlite3.Connection, reason: str) -> dict[str, int]:
+    """Per step, `stale` sets held back for `reason` (the budget): only stale rows are read."""
+    return dict(conn.execute(
+        "SELECT step, count(*) FROM sets WHERE state = 'stale' "
+        "AND json_extract(value, '$.reason') = ? GROUP BY step", (reason,)).fetchall())
+
+
+def stale_held_sets(conn: sqlite3.Connection, reason: str, *, prefix: str | None = None,
+                    limit: int | None = None) -> list[dict[str, Any]]:
+    args: list[Any] = [reason]
+    query = (f"SELECT key, {_SET_COLUMNS} FROM sets WHERE state = 'stale' "
+             "AND json_extract(value, '$.reason') = ?")
+    if prefix is not None:
+        query += " AND " + _under(prefix, args)
+    query += " ORDER BY key"
+    if limit is not None:
+        query += " LIMIT ?"
+        args.append(limit)
+    return [_set_row(row) for row in conn.execute(query, args)]
+
+
 def table(conn: sqlite3.Connection, name: str) -> dict[str, Any]:
     """A small table whole (steps, spend, notices), each row's JSON decoded."""
     if name not in ("steps", "spend", "notices"):

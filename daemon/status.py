@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from . import config, layout, run_record, state_db, state_queries, status_attention
 from .lock import LOCK_FILE, holder_pid
-from .state import DEFAULT_FILE, SetState, StateStore, record_json
+from .state import BUDGET_REASON, DEFAULT_FILE, SetState, StateStore, record_json
 from .status_attention import KINDS, Policy
 
 STATE_ORDER = [s.value for s in SetState]
@@ -94,9 +94,13 @@ def _query(conn: sqlite3.Connection, runs: Path, only_run: str | None, policy: P
     for s in steps:
         for state, n in s.counts.items():
             totals[state] = totals.get(state, 0) + n
-    daemon = _daemon(runs, pid, meta, totals, now)
+    # Stale sets the budget holds back are held, not work the daemon will do.
+    held_stale = {step: n for step, n in state_queries.stale_held(conn, BUDGET_REASON).items()
+                  if only_run in (None, step.split("/", 1)[0])}
+    daemon = _daemon(runs, pid, meta, totals, sum(held_stale.values()), now)
     attention = status_attention.Finder(conn, runs, policy, now, daemon["running"])
-    found = attention.find(steps, step_records, notices, loop, only_run, attention_limit)
+    found = attention.find(steps, step_records, notices, loop, only_run, attention_limit,
+                           held_stale)
     step_rows = [_step_row(s, step_records.get(s.step)) for s in steps]
     return {
         "runs_dir": str(runs),
@@ -117,7 +121,7 @@ def _query(conn: sqlite3.Connection, runs: Path, only_run: str | None, policy: P
 
 
 def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str, int],
-            now: float) -> dict[str, Any]:
+            held_stale: int, now: float) -> dict[str, Any]:
     started = _number(meta.get("started_at"))
     scanned = _number(meta.get("scanned_at"))
     # A daemon records when it started, and when its scans end, in the meta
@@ -130,6 +134,7 @@ def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str,
         except OSError:
             started = None
     backlog = {state: totals.get(state, 0) for state in (*BACKLOG, "settling")}
+    backlog["stale"] -= held_stale
     if pid is None:
         activity = "stopped"
     elif scanning:
@@ -180,11 +185,13 @@ def _run_rows(steps: list[state_queries.StepCounts], step_rows: list[dict[str, A
             for state, n in s.counts.items():
                 counts[state] = counts.get(state, 0) + n
         kinds = found.per_run.get(name, {})
+        held_back = kinds.get("held_stale", 0)
         last = max((s.last_done_at for s in mine if s.last_done_at is not None), default=None)
         epoch, step = _position(looped.get(name), mine)
         rows.append({
             "run": name, "looped": name in looped,
-            "phase": _phase(looped.get(name), counts),
+            "phase": _phase(looped.get(name),
+                            {**counts, "stale": counts.get("stale", 0) - held_back}),
             "epoch": epoch, "step": step,
             "sets": sum(counts.values()), "done": counts.get("done", 0),
             "counts": {state: counts.get(state, 0) for state in STATE_ORDER},

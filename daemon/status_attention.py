@@ -9,7 +9,8 @@
               use (epoch_1, a linked run folder, a bad run.toml)
     stalled   a looped run waiting for runs/RUN/RETRY, a step whose optimizer
               used up its attempts, a set `running` longer than a job can last
-    held      a set held back by [llm] budget_usd, a looped run paused by PAUSE
+    held      a set held back by [llm] budget_usd (a stale one too: its redo is
+              held), a looped run paused by PAUSE
 
 Counts are exact and come from aggregates; rows are fetched only up to the
 limit the caller shows, so a budget that holds 50,000 sets costs one count
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config, layout, state_queries
+from .state import BUDGET_REASON
 
 KINDS = ("failed", "refused", "unusable", "stalled", "held")
 STUCK_KINDS = ("unusable", "stalled", "held")  # a run line's "stuck": will not move by itself
@@ -84,7 +86,7 @@ class Finder:
 
     def find(self, steps: list[state_queries.StepCounts], step_records: Mapping[str, Any],
              notices: Mapping[str, Any], loop: list[dict[str, Any]], only_run: str | None,
-             limit: int | None) -> Found:
+             limit: int | None, held_stale: Mapping[str, int]) -> Found:
         """Every thing that needs someone, counted; rows up to `limit`, most urgent first."""
         self.limit = limit
         self._runs(loop)
@@ -94,6 +96,7 @@ class Finder:
         self._unusable(notices, only_run)
         self._running_too_long(only_run)
         self._sets("held", steps, only_run)
+        self._held_stale(held_stale, only_run)
         return self.found
 
     # ---------------------------------------------------------------- sources
@@ -157,6 +160,19 @@ class Finder:
                 if room is not None and len(recs) >= room:
                     break
         self.found.rows += [self._set_row(kind, rec) for rec in recs]
+
+    def _held_stale(self, per_step: Mapping[str, int], only_run: str | None) -> None:
+        """Sets whose report is stale and whose redo the budget holds back."""
+        for step, n in per_step.items():
+            run = step.split("/", 1)[0]
+            self.found.count(run, "held", n)
+            self.found.per_run[run]["held_stale"] = \
+                self.found.per_run[run].get("held_stale", 0) + n
+        room = self._room()
+        if room != 0 and per_step:
+            recs = state_queries.stale_held_sets(self.conn, BUDGET_REASON, prefix=only_run,
+                                                 limit=room)
+            self.found.rows += [self._set_row("held", rec) for rec in recs]
 
     def _set_row(self, kind: str, rec: dict[str, Any]) -> dict[str, Any]:
         reason = rec["reason"] or ""

@@ -20,7 +20,7 @@ import pytest
 
 from skilltrain.daemon import layout, run_record
 from skilltrain.daemon.lock import RunsLock
-from skilltrain.daemon.state import SetState, StateStore
+from skilltrain.daemon.state import BUDGET_REASON, SetState, StateStore
 from skilltrain.daemon.status import ATTENTION_SHOWN
 
 from .daemon_helpers import run_cli
@@ -109,6 +109,8 @@ def generate(root: Path, problems: int) -> Tree:
         # Not problems: the writer still writing, a backlog being worked through.
         change(set_id(run, k + 3, 0), SetState.WAITING, None, reason="ep03.txt missing")
         change(set_id(run, k + 3, 1), SetState.QUEUED, None)
+        # A report whose inputs changed, its redo held back by the budget: held, not backlog.
+        change(set_id(run, k + 3, 2), SetState.STALE, "held", reason=BUDGET_REASON)
     # Steps and runs that need someone, and a folder the daemon cannot use.
     failing = store.step(tree.steps[names[1]][5])
     failing.optimizer_done, failing.optimizer_attempts, failing.optimizer_exit_code = False, 1, 2
@@ -138,12 +140,12 @@ def generate(root: Path, problems: int) -> Tree:
 
 @pytest.fixture
 def many(tmp_path: Path) -> Tree:
-    return generate(tmp_path, problems=24)  # 6 kinds x 24 + 6 others: far over the cap
+    return generate(tmp_path, problems=24)  # 6 per problem x 24 + 5 others: far over the cap
 
 
 @pytest.fixture
 def few(tmp_path: Path) -> Tree:
-    return generate(tmp_path, problems=2)  # 18 things that need someone: under the cap
+    return generate(tmp_path, problems=2)  # 17 things that need someone: under the cap
 
 
 def attention_named(text: str) -> list[tuple[str, str]]:
@@ -272,6 +274,8 @@ def test_the_daemon_line_says_running_since_and_catching_up(few: Tree) -> None:
     assert f"daemon running (pid {os.getpid()}) since " in line
     assert f"catching up: {queued:,} queued, {running:,} running" in line
     assert data["daemon"]["activity"] == "catching up"
+    assert data["totals"]["stale"] == 2 and data["daemon"]["backlog"]["stale"] == 0
+    assert "stale" not in line
     # Only while a daemon runs is a set `running` for two hours stalled.
     stalled = [r["id"] for r in data["attention"] if r["kind"] == "stalled" and r["what"] == "set"]
     assert stalled == sorted(few.running_for_hours) and len(stalled) == 2
