@@ -50,9 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per LLM request (default: [llm] timeout)")
     p.set_defaults(func=_loss)
 
-    p = sub.add_parser("status", help="every set and its state")
+    p = sub.add_parser("status", help="is it working, and what needs attention",
+                       description="The daemon, one line per run, then what needs "
+                                   "attention (failed, refused, unusable, stalled, held).")
     _config_arg(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("run", nargs="?", default=None, metavar="RUN",
+                   help="only this run, with its steps")
+    p.add_argument("--all", action="store_true", dest="show_all",
+                   help="every step, and everything that needs attention (no cap)")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable: everything, every set (docs/status.md)")
     p.set_defaults(func=_status)
 
     p = sub.add_parser("tail", help="readable progress from the JSON log")
@@ -110,7 +117,8 @@ def _daemon(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from . import status
 
-    return status.main(config_path=args.config, as_json=args.json)
+    return status.main(config_path=args.config, as_json=args.json, run=args.run,
+                       show_all=args.show_all)
 
 
 def _tail(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from .errors import (
 )
 from .notify import Heartbeat
 from .observe import Fingerprint, observe, sigs_digest
-from .state import SetState, StateStore
+from .state import BUDGET_REASON, SetState, StateStore
 from .steps import Steps
 from .templates import PromptTemplates
 
@@ -165,7 +165,7 @@ class Jobs:
             return False
         report_exists = key.report_path(self.runs).exists()
         self.state.update(key.id, SetState.STALE if report_exists else SetState.HELD,
-                          reason="budget reached")
+                          reason=BUDGET_REASON)
         return True
 
     def _run_job(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint, job_id: str,

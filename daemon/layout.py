@@ -91,6 +91,17 @@ class SetKey:
                 "work": self.work, "range": self.range_label}
 
 
+def parse_step_id(step_id: str) -> tuple[int, int] | None:
+    """(epoch, step) of a step id `run/epoch_EE/step_SS`; None for anything else."""
+    parts = step_id.split("/")
+    if len(parts) != 3:
+        return None
+    epoch, step = EPOCH_DIR.fullmatch(parts[1]), STEP_DIR.fullmatch(parts[2])
+    if not (epoch and step):
+        return None
+    return int(epoch.group(1)), int(step.group(1))
+
+
 @dataclass(frozen=True)
 class ScriptsPath:
     """What a path under runs/ says about the writer's output."""

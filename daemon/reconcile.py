@@ -141,6 +141,7 @@ class Reconciler:
         self.discovery.end_scan()
         counts = self.state.counts()
         by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
+        self.state.note_daemon(scanned_at=time.time())
         self.emit("scan.completed", sets=len(seen),
                   duration_ms=int((time.monotonic() - t0) * 1000), **by_state)
         self.heartbeat.beat()

@@ -141,16 +141,3 @@ def _safe_iterdir(path: Path) -> list[Path]:
         return list(path.iterdir())
     except OSError:
         return []
-
-
-def render_status(rows: list[dict[str, Any]], console: Any) -> None:
-    """The looped runs' table of `skilltrain status` (console: a rich Console)."""
-    from rich.table import Table
-
-    table = Table(title="looped runs", title_justify="left")
-    for column in ("run", "epoch", "step", "phase"):
-        table.add_column(column, justify="right" if column in ("epoch", "step") else "left")
-    for row in rows:
-        phase = row["describe"] + (" (PAUSE)" if row["paused"] else "")
-        table.add_row(row["run"], str(row["epoch"]), str(row["step"]), phase)
-    console.print(table)

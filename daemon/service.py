@@ -127,6 +127,7 @@ class Daemon:
         runs_existed = self.runs_existed if self.runs_existed is not None else self.runs.is_dir()
         self.runs.mkdir(parents=True, exist_ok=True)
         self._run_lock.acquire()
+        self.state.note_daemon(started_at=time.time())
         self.emit("daemon.started", pid=os.getpid(), version=_version(),
                   config=str(self.cfg.source), runs_dir=str(self.runs),
                   observer=self.cfg.watch.observer, concurrency=self.cfg.loss.concurrency,

@@ -32,6 +32,11 @@ LEGACY_VERSION = 1
 DEFAULT_FILE = "state.sqlite3"
 
 
+# A set's reason while [llm] budget_usd holds it back (held, or stale: a report
+# exists whose inputs changed); status counts these as held, not as backlog.
+BUDGET_REASON = "budget reached"
+
+
 class SetState(enum.StrEnum):
     WAITING = "waiting"  # range incomplete: episodes missing or empty
     SETTLING = "settling"  # complete, still being written (changed < settle_seconds ago)
@@ -108,6 +113,12 @@ class StateStore:
         self._db: StateDB | None = None
         self.daemon_pid: int | None = None
         self.heartbeat: float | None = None
+        # For status's daemon line (meta rows, wall clock): since when this
+        # daemon runs, and when its last full scan ended (before the first
+        # one ends, what the state says may be a previous run's).
+        self.started_at: float | None = None
+        self.scanned_at: float | None = None
+        self._meta_changed = False
 
     @property
     def legacy_path(self) -> Path:
@@ -298,6 +309,16 @@ class StateStore:
                 del self.notices[path]
                 self._dirty["notices"].add(path)
 
+    def note_daemon(self, *, started_at: float | None = None,
+                    scanned_at: float | None = None) -> None:
+        """Record when the daemon started or finished a scan (written by the next flush)."""
+        with self.lock:
+            if started_at is not None:
+                self.started_at = started_at
+            if scanned_at is not None:
+                self.scanned_at = scanned_at
+            self._meta_changed = True
+
     def counts(self) -> Counter[str]:
         """Sets per state (a copy; states with none left out)."""
         with self.lock:
@@ -312,18 +333,22 @@ class StateStore:
         """
         with self._write_lock:
             with self.lock:
-                if not (force or any(self._dirty.values())):
+                if not (force or self._meta_changed or any(self._dirty.values())):
                     return False
+                self._meta_changed = False
                 dirty, self._dirty = self._dirty, {table: set() for table in self._dirty}
                 tables = self._tables()
-                changes = {table: {key: _as_json(tables[table].get(key)) for key in keys}
+                changes = {table: {key: record_json(tables[table].get(key)) for key in keys}
                            for table, keys in dirty.items() if keys}
             try:
                 if self._db is None:
                     self._db = StateDB(self.path)
-                self._db.write(changes, {"daemon_pid": pid, "heartbeat": time.time()})
+                self._db.write(changes, {"daemon_pid": pid, "heartbeat": time.time(),
+                                         "started_at": self.started_at,
+                                         "scanned_at": self.scanned_at})
             except (sqlite3.Error, OSError) as e:
                 with self.lock:
+                    self._meta_changed = True
                     for table, keys in dirty.items():
                         self._dirty[table] |= keys
                 if isinstance(e, OSError):
@@ -393,7 +418,7 @@ def _short(error: BaseException) -> str:
     return " ".join(str(error).split())[:120]
 
 
-def _as_json(rec: Any) -> Any:
+def record_json(rec: Any) -> Any:
     """A record as its row holds it; None (a deleted key) stays None."""
     if rec is None or isinstance(rec, dict):
         return rec

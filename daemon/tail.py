@@ -4,7 +4,7 @@
   09:12:07   loss.completed      r7/e01/s02 alice r01-03   in=18211 out=1034 cached=0 $0.0123 41.2s
   09:12:09 E loss.failed         r7/e01/s02 bob r01-03     reason=timeout attempts=3 no retry
   09:12:10   step.reported       r7/e01/s02                sets=3 distance=0.3120 change=-0.0210
-  == r7/e01/s02  done 1  running 0  queued 0  failed 1  | r7  in=18211 out=1034 cached=0 $0.0123
+  == r7/e01/s02  done 1  running 0  queued 0  failed 1  | step in=18211 out=1034 cached=0 $0.0123
 
 The level mark is blank for info, `W` for warning, `E` for error and above, `d`
 for debug. `--follow` behaves like `tail -F`: it waits for the file, keeps

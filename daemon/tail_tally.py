@@ -1,7 +1,12 @@
 """`skilltrain tail`'s tally: per (run, epoch, step), the last loss state of
-each set; per run, tokens and cost. Printed as `==` lines:
+each set and what that step's reports cost; per run, what the run cost.
+Printed as `==` lines, each cost once where it belongs:
 
-  == r7/e01/s02  done 1  running 0  queued 0  failed 1  | r7  in=18211 out=1034 cached=0 $0.0123
+  == r7/e01/s02  done 1  running 0  queued 0  failed 1  | step in=18211 out=1034 cached=0 $0.0123
+  == r7  in=18211 out=1034 cached=0 $0.0123
+
+(A step line once carried its run's totals, so every step read as if it had
+cost the whole run.)
 """
 
 from __future__ import annotations
@@ -26,18 +31,33 @@ _STATES = ("done", "running", "queued", "failed", "refused")
 
 @dataclass
 class RunCost:
+    """Tokens and dollars of a run or of one step (the same fields)."""
+
     tokens_in: int = 0
     tokens_out: int = 0
     tokens_cached: int = 0
     cost_usd: float = 0.0
 
+    def add(self, rec: Record) -> None:
+        self.tokens_in += _int(rec.get("tokens_in"))
+        self.tokens_out += _int(rec.get("tokens_out"))
+        self.tokens_cached += _int(rec.get("tokens_cached"))
+        self.cost_usd += _float(rec.get("cost_usd"))
+
+    def text(self) -> str:
+        return (f"in={self.tokens_in} out={self.tokens_out} cached={self.tokens_cached} "
+                f"{usd(self.cost_usd)}")
+
 
 @dataclass
 class Tally:
-    """Per (run, epoch, step): each set's last loss state; per run: tokens and cost."""
+    """Per (run, epoch, step): each set's last loss state and the step's cost;
+    per run: tokens and cost (a `cost.total` event, the daemon's own count,
+    replaces what the log's reports add up to)."""
 
     sets: dict[StepKey, dict[tuple[str, str], str]] = field(default_factory=dict)
     costs: dict[str, RunCost] = field(default_factory=dict)
+    step_costs: dict[StepKey, RunCost] = field(default_factory=dict)
 
     def update(self, rec: Record) -> None:
         name, run = rec.get("event"), rec.get("run")
@@ -57,11 +77,8 @@ class Tally:
             return
         self.sets.setdefault(key, {})[(str(rec.get("work")), str(rec.get("range")))] = state
         if name == "loss.completed":
-            cost = self.costs.setdefault(run, RunCost())
-            cost.tokens_in += _int(rec.get("tokens_in"))
-            cost.tokens_out += _int(rec.get("tokens_out"))
-            cost.tokens_cached += _int(rec.get("tokens_cached"))
-            cost.cost_usd += _float(rec.get("cost_usd"))
+            self.costs.setdefault(run, RunCost()).add(rec)
+            self.step_costs.setdefault(key, RunCost()).add(rec)
 
     def counts(self, key: StepKey) -> dict[str, int]:
         counts = dict.fromkeys(_STATES, 0)
@@ -74,14 +91,11 @@ class Tally:
         counts = self.counts(key)
         shown = [f"{s} {counts[s]}" for s in _STATES if s != "refused" or counts[s]]
         line = f"== {run}/e{epoch:02d}/s{step:02d}  {'  '.join(shown)}"
-        return f"{line}  | {self.run_line(run)}" if run in self.costs else line
+        cost = self.step_costs.get(key)
+        return f"{line}  | step {cost.text()}" if cost is not None else line
 
     def run_line(self, run: str) -> str:
-        cost = self.costs.get(run, RunCost())
-        return (
-            f"{run}  in={cost.tokens_in} out={cost.tokens_out} "
-            f"cached={cost.tokens_cached} {usd(cost.cost_usd)}"
-        )
+        return f"{run}  {self.costs.get(run, RunCost()).text()}"
 
     def summary(self, run: str | None = None) -> list[str]:
         lines = [self.step_line(k) for k in sorted(self.sets) if run is None or k[0] == run]

@@ -336,8 +336,14 @@ def test_status_is_fast_never_imports_litellm_and_shows_failures(
     assert data["totals"] == {"done": 1, "failed": 1, "waiting": 1}
 
     assert "daemon not running" in text.stdout
-    assert beta_failed.id in text.stdout and "failed" in text.stdout
-    assert beta_waiting.id in text.stdout
+    # The default view: the run's line, then only what needs someone: the
+    # failure, and the range _SUCCESS closed with an episode missing.
+    run_line = next(line for line in text.stdout.splitlines() if line.startswith("r1 "))
+    assert run_line.split()[1:7] == ["waiting", "e01/s01", "1/3", "1", "0", "1"], run_line
+    assert f"failed    {beta_failed.id}" in text.stdout and "500" in text.stdout
+    assert f"unusable  {beta_waiting.id}  ep06.txt missing" in text.stdout
+    assert data["attention_total"] == 2
+    assert (data["runs"][0]["failed"], data["runs"][0]["unusable"]) == (1, 1)
 
     modules = [ln.split("|")[-1].strip() for ln in traced.stderr.splitlines() if "|" in ln]
     assert traced.returncode == 0 and "skilltrain.daemon.status" in modules

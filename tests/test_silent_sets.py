@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import status
+from skilltrain.daemon import status, status_render
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,
@@ -241,9 +241,12 @@ def test_folders_that_hold_no_visible_set_show_in_status(tree: Tree) -> None:
     assert "expected epoch_01" in notices[str(tree.ws.runs / R / "epoch_1")]["reason"]
     assert notices[str(tree.ws.runs / "linkedrun")]["event"] == "set.unusable"
     out = io.StringIO()
-    status.render(tree.status, out)
-    text = " ".join(out.getvalue().split())
-    assert "paths not used" in text and "linkedrun" in text and "epoch_1" in text
+    status_render.render(tree.status, out)
+    lines = out.getvalue().splitlines()
+    # Each one a line of "needs attention", with its reason.
+    for path, why in ((tree.ws.runs / R / "epoch_1", "expected epoch_01"),
+                      (tree.ws.runs / "linkedrun", "symlink out of runs/")):
+        assert [ln for ln in lines if f"unusable  {path}" in ln and why in ln], lines
 
 
 def test_a_work_folder_the_run_does_not_list_is_named(tree: Tree) -> None:

@@ -175,13 +175,16 @@ def test_a_flush_writes_only_the_changed_rows(tmp_path: Path) -> None:
     store.forget(ids[8])
     assert store.flush()
     writes = [s for s in statements if s.startswith(("INSERT", "DELETE"))]
-    # One row deleted, one written, the two meta values: nothing of the other 48 sets.
-    assert [w for w in writes if " sets " in w] == [
-        f"DELETE FROM sets WHERE key = '{ids[8]}'",
+    # One row deleted, one written, the four meta values (pid, heartbeat, started and
+    # scanned at): nothing of the other 48 sets.
+    deleted, written = [w for w in writes if " sets " in w]
+    assert deleted == f"DELETE FROM sets WHERE key = '{ids[8]}'"
+    # The record's JSON, and its step and state in the columns status counts by.
+    assert written.startswith(
         f"INSERT OR REPLACE INTO sets VALUES ('{ids[7]}', "
-        f"'{json.dumps(_row(store, ids[7]), separators=(',', ':'))}')",
-    ]
-    assert len(writes) == 4 and all(" meta " in w for w in writes[2:])
+        f"'{json.dumps(_row(store, ids[7]), separators=(',', ':'))}', "
+        "'r1/epoch_01/step_01', 'done', "), written
+    assert len(writes) == 6 and all(" meta " in w for w in writes[2:])
     store.close()
     reread = state_db.read_only(path)
     assert reread is not None and len(reread["sets"]) == 49
@@ -239,3 +242,49 @@ def test_the_counts_kept_as_sets_change_match_a_recount(tmp_path: Path) -> None:
     reloaded = StateStore(tmp_path / "runs")
     assert reloaded.load() is None
     assert reloaded.counts() == store.counts() and sum(reloaded.counts().values()) > 0
+
+
+def _version_1(path: Path, sets: dict[str, dict[str, object]]) -> None:
+    """A state database as a daemon before schema version 2 wrote it."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    for table in ("sets", "steps", "spend", "notices", "meta"):
+        conn.execute(f"CREATE TABLE {table} (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    conn.executemany("INSERT INTO sets VALUES (?, ?)",
+                     [(key, json.dumps(value)) for key, value in sets.items()])
+    conn.execute("INSERT INTO meta VALUES ('heartbeat', '1700000000.0')")
+    conn.execute("PRAGMA user_version = 1")
+    conn.close()
+
+
+def test_a_version_1_database_is_read_by_status_and_upgraded_by_the_daemon(
+        tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    path = runs / ".skilltrain" / "state.sqlite3"
+    path.parent.mkdir(parents=True)
+    sets = {f"{R}/epoch_01/step_0{n // 3}/w{n % 3}/01-03": {
+        "state": "failed" if n == 4 else "done", "reason": "HTTP 500" if n == 4 else None,
+        "attempts": 5 if n == 4 else 0, "next_retry_at": None, "fingerprint": None,
+        "refused_fingerprint": None, "updated_at": 1700000000.0 + n} for n in range(9)}
+    _version_1(path, sets)
+
+    # A daemon of before still running it: status reads it as it is.
+    before = status.collect(runs, all_sets=True)
+    assert before["daemon"]["state_unreadable"] is None
+    assert before["totals"] == {"done": 8, "failed": 1}
+    assert [a["id"] for a in before["attention"]] == [f"{R}/epoch_01/step_01/w1/01-03"]
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 1
+
+    store = StateStore(runs)
+    assert store.load() is None  # upgraded in place, nothing lost
+    assert len(store.sets) == 9
+    store.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == state_db.SCHEMA_VERSION
+    assert conn.execute("SELECT step, state, updated_at FROM sets WHERE key = ?",
+                        (f"{R}/epoch_01/step_01/w1/01-03",)).fetchone() == (
+        f"{R}/epoch_01/step_01", "failed", 1700000004.0)
+    conn.close()
+    after = status.collect(runs, all_sets=True)
+    for key in ("totals", "runs", "steps", "attention", "sets"):
+        assert after[key] == before[key], key

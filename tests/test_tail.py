@@ -154,7 +154,7 @@ def test_one_readable_line_per_event_and_a_final_tally(log_path: Path) -> None:
         f"{clock(10)}   {'step.reported':<18}  {'r7/e01/s02':<{w}}  "
         "sets=3 reports=runs/r7/loss/epoch_01/step_02",
         "== r7/e01/s02  done 1  running 0  queued 0  failed 1  refused 1"
-        "  | r7  in=18211 out=1034 cached=0 $0.0123",
+        "  | step in=18211 out=1034 cached=0 $0.0123",
         f"{clock(11)}   {'optimizer.started':<18}  {'r7/e01/s02':<{w}}  "
         "$ python opt.py --note 'a b'",
         f"{clock(12)}   {'optimizer.output':<18}  {'r7/e01/s02':<{w}}  stderr| 3 reports read",
@@ -164,9 +164,9 @@ def test_one_readable_line_per_event_and_a_final_tally(log_path: Path) -> None:
         f"{clock(15)}   {'daemon.stopped':<18}  {'':<{w}}  exit_code=0 done=2 failed=1 abandoned=0",
         "== summary",
         "== r7/e01/s02  done 1  running 0  queued 0  failed 1  refused 1"
-        "  | r7  in=18211 out=1034 cached=0 $0.0123",
+        "  | step in=18211 out=1034 cached=0 $0.0123",
         "== r8/e01/s01  done 1  running 0  queued 0  failed 0"
-        "  | r8  in=100 out=10 cached=5 $0.0010",
+        "  | step in=100 out=10 cached=5 $0.0010",
         "== r7  in=18211 out=1034 cached=0 $0.0123",
         "== r8  in=100 out=10 cached=5 $0.0010",
     ]
@@ -188,11 +188,40 @@ def test_tally_follows_each_set_to_its_last_state(tmp_path: Path) -> None:
     code, out = run_tail(path)
     assert code == 0
     assert "no retry" in out[2]
+    # No report was completed in this log: the step cost nothing here; the
+    # run's total is the daemon's own (cost.total).
     assert out[-2:] == [
-        "== r7/e01/s02  done 0  running 1  queued 1  failed 0"
-        "  | r7  in=500 out=50 cached=0 $0.5000",
+        "== r7/e01/s02  done 0  running 1  queued 1  failed 0",
         "== r7  in=500 out=50 cached=0 $0.5000",
     ]
+
+
+def test_each_step_says_what_it_cost_and_each_run_its_total_once(tmp_path: Path) -> None:
+    def done(step: int, work: str, tokens_in: int, cost: float, run: str = "r7") -> str:
+        return ev(step, "loss.completed", run=run, epoch=0, step=step, work=work,
+                  range="01-03", tokens_in=tokens_in, tokens_out=tokens_in // 10,
+                  tokens_cached=0, cost_usd=cost, duration_ms=1)
+
+    path = tmp_path / "log"
+    path.write_text("".join([
+        done(0, "a", 1000, 0.10), done(0, "b", 2000, 0.20),
+        done(1, "a", 4000, 0.40),
+        done(2, "a", 8000, 0.80), done(2, "a", 100, 0.01),  # the same set redone: both paid
+        done(0, "a", 5, 0.005, run="r8"),
+    ]))
+    _, out = run_tail(path)
+    summary = out[out.index("== summary") + 1:]
+    states = "running 0  queued 0  failed 0  | step"
+    assert summary == [
+        f"== r7/e00/s00  done 2  {states} in=3000 out=300 cached=0 $0.3000",
+        f"== r7/e00/s01  done 1  {states} in=4000 out=400 cached=0 $0.4000",
+        f"== r7/e00/s02  done 1  {states} in=8100 out=810 cached=0 $0.8100",
+        f"== r8/e00/s00  done 1  {states} in=5 out=0 cached=0 $0.0050",
+        "== r7  in=15100 out=1510 cached=0 $1.5100",
+        "== r8  in=5 out=0 cached=0 $0.0050",
+    ]
+    # Each run's total once, and only on its own line.
+    assert sum("$1.5100" in line for line in out) == 1
 
 
 def test_a_tally_line_every_n_finished_jobs(tmp_path: Path) -> None:
@@ -276,7 +305,7 @@ def test_run_filter(log_path: Path) -> None:
     ]
     assert out[-2:] == [
         "== r8/e01/s01  done 1  running 0  queued 0  failed 0"
-        "  | r8  in=100 out=10 cached=5 $0.0010",
+        "  | step in=100 out=10 cached=5 $0.0010",
         "== r8  in=100 out=10 cached=5 $0.0010",
     ]
     _, nothing = run_tail(log_path, run="nope")
@@ -468,7 +497,7 @@ def test_follow_survives_rename_rotation(tmp_path: Path, follower: list[Follow])
     lines = f.finish()
     assert f.events() == ["loss.queued", "loss.started", "loss.completed", "step.reported"]
     assert lines[-2:] == [
-        "== r7/e01/s02  done 1  running 0  queued 0  failed 0  | r7  in=7 out=3 cached=0 $0.5000",
+        "== r7/e01/s02  done 1  running 0  queued 0  failed 0  | step in=7 out=3 cached=0 $0.5000",
         "== r7  in=7 out=3 cached=0 $0.5000",
     ]
 
