@@ -194,8 +194,7 @@ class Daemon:
 
     def _ready(self) -> None:
         self._ready_at = time.monotonic()
-        if self.catching_up:
-            self.metrics.catching_up(0, 0)
+        self.metrics.startup_catching_up.set(int(self.catching_up))
         self.notifier.ready()
         self.emit("daemon.ready", observer=self.watcher.kind or "none",
                   catching_up=self.catching_up)
