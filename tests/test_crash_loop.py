@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import dataset
+from skilltrain.daemon import dataset, state_db
 from skilltrain.daemon.templates import PromptTemplates
 from tests.daemon_helpers import (
     TEMP_PREFIX,
@@ -117,7 +117,7 @@ def reported(ws: Workspace, sets: list[SetId]) -> set[str]:
 def assert_state_file_whole(ws: Workspace) -> None:
     """The state database survives any kill: absent, or every row readable."""
     if ws.state_file.exists():
-        assert ws.state()["version"] == 1
+        assert ws.state()["version"] == state_db.SCHEMA_VERSION
 
 
 def assert_outputs_consistent(ws: Workspace, sets: list[SetId]) -> None:
