@@ -329,6 +329,12 @@ def main(config_path: Path | None, run: str | None, as_json: bool, plot: Path | 
 
     if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
         raise ConfigError(f"--plot {plot}: the file name must end in .svg or .png")
+    if plot is not None:
+        try:  # an extra (~170 MB with numpy and pillow): the daemon needs none of it
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib, which is not installed: "
+                              "pip install 'skilltrain[plot]'") from None
     cfg = config.load(config_path)
     rows = collect(cfg.paths.runs, run)
     if plot is not None:

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import re
 import socket
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from tests.daemon_helpers import (
     run_cli,
     run_once_in_process,
     screenplay,
+    subprocess_env,
     wait_until,
 )
 from tests.daemon_marks import DAEMON_TEST_MARKS
@@ -182,6 +185,15 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     bad, _ = run_cli("progress", "--plot", str(tmp_path / "x.pdf"), "--config", str(ws.config_path))
     assert bad.returncode == 2 and "svg or .png" in bad.stderr
     assert not (tmp_path / "x.pdf").exists()
+    # matplotlib is the [plot] extra: without it --plot says how to get it.
+    hidden = ["-c", "import sys; sys.modules['matplotlib'] = None; "
+              "from skilltrain.daemon.cli import main; main(sys.argv[1:])"]
+    bare = subprocess.run([sys.executable, *hidden, "progress", "--plot", str(tmp_path / "y.svg"),
+                           "--config", str(ws.config_path)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60)
+    assert bare.returncode == 2, bare.stderr
+    assert "pip install 'skilltrain[plot]'" in bare.stderr
+    assert not (tmp_path / "y.svg").exists()
     print(f"progress --json: {took:.3f}s")
 
     # The step line of `skilltrain tail` shows both numbers.
