@@ -158,13 +158,13 @@ class Workspace:
             sections["integrity"] = {"audit_on_start": audit}
         text = config_toml(
             api_base,
-            llm={"timeout": 60},
+            llm={"timeout_s": 60},
             loss={
                 "episodes_per_report": episodes_per_report,
-                "settle_seconds": settle_s,
+                "settle_s": settle_s,
                 "concurrency": concurrency,
             },
-            watch={"resync_seconds": resync_s, "observer": observer},
+            watch={"resync_s": resync_s, "observer": observer},
             log_file=self.log_file,
             sections=sections,
         )
@@ -587,7 +587,7 @@ def _one_pickup(
     model = example_episodes("model_draft")
     epoch, step = divmod(i, 100)
     folder = scripts_dir(ws.runs, "bench", epoch, step, "w0")
-    # Episodes first, as the writer finishes them; settle_seconds=60 keeps the
+    # Episodes first, as the writer finishes them; settle_s=60 keeps the
     # daemon waiting, so only _SUCCESS can make the set ready.
     write_scripts(folder, {n: model[n] for n in (1, 2, 3)}, success=False)
     # A random extra wait: a polling observer must not be phase-locked to our loop.

@@ -8,7 +8,7 @@ watches a temporary runs/. A writer thread in this process finishes one step
 at a time (every work of the step, back to back) at an even pace over
 `--minutes`: most works end with `_SUCCESS`, some are written rsync-style
 (hidden temp file renamed into place), some have no marker and must wait
-`settle_seconds`. The loopback OpenAI-compatible server (tests/llm_server.py,
+`settle_s`. The loopback OpenAI-compatible server (tests/llm_server.py,
 in this process, 127.0.0.1 only) answers each request after a random
 `--latency-min`..`--latency-max` seconds. Then a second phase rewrites
 `--churn` (half) of the reported sets at the same pace: each must be redone
@@ -121,13 +121,13 @@ class Soak:
             write_human_episodes(self.root, work, human_screenplays(work, EPISODES, scenes=4))
         text = config_toml(
             api_base,
-            llm={"timeout": 30, "max_retries": 2, "backoff_initial_s": 0.2, "backoff_max_s": 2.0},
+            llm={"timeout_s": 30, "max_retries": 2, "backoff_initial_s": 0.2, "backoff_max_s": 2.0},
             loss={
                 "episodes_per_report": EPISODES,
-                "settle_seconds": self.settle_s,
+                "settle_s": self.settle_s,
                 "concurrency": self.concurrency,
             },
-            watch={"resync_seconds": self.resync_s, "observer": "auto"},
+            watch={"resync_s": self.resync_s, "observer": "auto"},
             log_file=self.log_file,
         )
         self.config.write_text(text, encoding="utf-8")
@@ -675,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="[loss] concurrency (16)")
     p.add_argument("--latency-min", type=float, default=0.05, metavar="S")
     p.add_argument("--latency-max", type=float, default=0.5, metavar="S")
-    p.add_argument("--settle", type=float, default=2.0, help="settle_seconds (2)")
+    p.add_argument("--settle", type=float, default=2.0, help="[loss] settle_s (2)")
     p.add_argument("--resync", type=float, default=60.0, help="resync_seconds (60)")
     p.add_argument(
         "--churn",

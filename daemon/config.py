@@ -52,7 +52,7 @@ class PathsConfig(_Section):
 class LLMConfig(_Section):
     model: str = Field(BUILTIN_MODEL, min_length=1)
     api_base: str | None = None
-    timeout: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(4, ge=0, le=20)
     backoff_initial_s: float = Field(2.0, gt=0)
     backoff_max_s: float = Field(120.0, gt=0)
@@ -63,14 +63,14 @@ class LLMConfig(_Section):
 
 class LossConfig(_Section):
     episodes_per_report: int = Field(3, ge=1)
-    settle_seconds: float = Field(30.0, ge=0)
+    settle_s: float = Field(30.0, ge=0)
     concurrency: int = Field(4, ge=1, le=256)
     max_attempts: int = Field(5, ge=1)
     retry_backoff_s: float = Field(60.0, ge=0)
 
 
 class WatchConfig(_Section):
-    resync_seconds: float = Field(300.0, gt=0)
+    resync_s: float = Field(300.0, gt=0)
     observer: Literal["auto", "native", "polling"] = "auto"
 
 
@@ -78,6 +78,7 @@ class OptimizerConfig(_Section):
     command: list[str] = Field(default_factory=list)
     timeout_s: float = Field(3600.0, gt=0)
     max_attempts: int = Field(3, ge=1)
+    retry_backoff_s: float = Field(60.0, ge=0)
 
 
 class WriterConfig(_Section):
@@ -149,11 +150,17 @@ class Config(_Section):
     metrics: MetricsConfig = MetricsConfig()
 
     _source: Path | None = PrivateAttr(default=None)
+    _renamed: tuple[str, ...] = PrivateAttr(default=())
 
     @property
     def source(self) -> Path | None:
         """The config file this was loaded from (None: defaults only)."""
         return self._source
+
+    @property
+    def renamed(self) -> tuple[str, ...]:
+        """One line per old key name this config still uses (its new name in it)."""
+        return self._renamed
 
 
 def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
@@ -176,13 +183,49 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
     elif explicit:
         raise ConfigError(f"{path}: config file not found")
     raw, from_env = _apply_env_overrides(raw, environ)
+    raw, renamed, written_as = _rename_old_keys(raw, path, from_env)
     try:
         config = Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {_describe(e, from_env)}") from None
-    return _resolve_paths(config, path.resolve().parent,
-                          source=path.resolve() if path.exists() else None,
-                          state=environ.get(STATE_ENV) or None)
+        raise ConfigError(f"{path}: {_describe(e, from_env, written_as)}") from None
+    config = _resolve_paths(config, path.resolve().parent,
+                            source=path.resolve() if path.exists() else None,
+                            state=environ.get(STATE_ENV) or None)
+    config._renamed = renamed
+    return config
+
+
+# Durations are named with one unit suffix, `_s`. The names before that still
+# read, with one warning each (Config.renamed; the daemon logs it at start).
+RENAMED = {("llm", "timeout"): "timeout_s", ("loss", "settle_seconds"): "settle_s",
+           ("watch", "resync_seconds"): "resync_s"}
+
+
+def _rename_old_keys(raw: dict[str, Any], path: Path, from_env: dict[str, str]
+                     ) -> tuple[dict[str, Any], tuple[str, ...], dict[tuple[str, str], str]]:
+    """The raw config with old names moved to the new ones, a note per old
+    name, and the name each moved key was written as (for error messages)."""
+    notes = []
+    written_as: dict[tuple[str, str], str] = {}
+    for (section, old), new in RENAMED.items():
+        table = raw.get(section)
+        if not isinstance(table, dict) or old not in table:
+            continue
+        origin = from_env.pop(old, None) if section == "llm" else None
+        where = f"the environment variable {origin}" if origin else f"[{section}] {old}"
+        if new in table and not origin:  # the environment wins over the file
+            raise ConfigError(f"{path}: [{section}] {old} and {new} are the same setting; "
+                              f"keep {new}")
+        table = {k: v for k, v in table.items() if k != old} | {new: table[old]}
+        raw = {**raw, section: table}
+        written_as[(section, new)] = old
+        if origin:
+            from_env[new] = origin
+        notes.append(f"{where} is now called {new} ([{section}] {new}, or "
+                     f"{LLM_ENV_PREFIX}{new.upper()}); the old name still works"
+                     if section == "llm" else
+                     f"{where} is now called [{section}] {new}; the old name still works")
+    return raw, tuple(notes), written_as
 
 
 def defaults_notice(config: Config) -> str | None:
@@ -233,10 +276,16 @@ def _apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]
     return raw, from_env
 
 
-def _describe(error: ValidationError, from_env: Mapping[str, str]) -> str:
-    """The first validation error as one line: key, value, what is allowed."""
+def _describe(error: ValidationError, from_env: Mapping[str, str],
+              written_as: Mapping[tuple[str, str], str] | None = None) -> str:
+    """The first validation error as one line: key, value, what is allowed
+    (a key under the name it was written as)."""
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
+    if len(loc) == 2 and (old := (written_as or {}).get((loc[0], loc[1]))):
+        if loc[1] in from_env:
+            from_env = {**from_env, old: from_env[loc[1]]}
+        loc[1] = old
     key = f"[{loc[0]}] {'.'.join(loc[1:])}" if len(loc) > 1 else loc[0]
     if first["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[:-1])

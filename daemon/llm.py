@@ -8,7 +8,7 @@ on 429/5xx/timeouts/connection errors, at least as long as the server asks
 (Retry-After in seconds or as an HTTP date, or retry-after-ms, read by the
 OpenAI SDK's own parser), no retry on auth or bad-request errors.
 
-`[llm] timeout` bounds each attempt as a whole: the HTTP client's timeout
+`[llm] timeout_s` bounds each attempt as a whole: the HTTP client's timeout
 is per read, and a server sending a byte every few seconds never trips it.
 The call runs in a helper thread that is abandoned at the deadline (it ends
 when the server does; its reply, if any, is dropped).
@@ -188,10 +188,10 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         return _describe(error, _prompt_text(messages), where)
 
     try:
-        return _within(settings.timeout, lambda: lm.completion(**kwargs))
+        return _within(settings.timeout_s, lambda: lm.completion(**kwargs))
     except WholeRequestTimeout:
-        raise RetryableError(f"no complete reply within {settings.timeout:g}s "
-                             "([llm] timeout bounds the whole request)") from None
+        raise RetryableError(f"no complete reply within {settings.timeout_s:g}s "
+                             "([llm] timeout_s bounds the whole request)") from None
     except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
             lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
         raise RetryableError(describe(e), _retry_after(e)) from None
@@ -212,7 +212,7 @@ def _request_kwargs(messages: Sequence[Message], settings: LLMConfig) -> dict[st
     kwargs: dict[str, Any] = {
         "model": settings.model,
         "messages": list(messages),
-        "timeout": settings.timeout,
+        "timeout": settings.timeout_s,
         "max_retries": 0,  # the OpenAI SDK's own retries: off, ours rule
         "num_retries": 0,  # litellm's retries: off
     }
@@ -237,7 +237,7 @@ LOCAL_SERVER_KEY = "no-key-needed"  # sent to an api_base server when no key is 
 
 
 class WholeRequestTimeout(Exception):
-    """The attempt did not finish within [llm] timeout."""
+    """The attempt did not finish within [llm] timeout_s."""
 
 
 def _within(timeout_s: float, call: Callable[[], Any]) -> Any:

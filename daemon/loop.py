@@ -45,7 +45,6 @@ from typing import Any
 from ..handlers import writer
 from ..handlers.optimizer import OptimizerResult
 from . import config, discovery, layout, log, progress
-from .errors import ConfigError
 from .run_record import PAUSE, RETRY, START, Phase, RunRecord
 from .run_record import read as read_record
 from .run_record import write as write_record
@@ -106,14 +105,10 @@ class Loop:
 
     # -------------------------------------------------------------- lifecycle
     def prepare(self) -> None:
-        """Before the daemon's first scan: check the config (exit 2, like a bad template)
-        and read which steps are still being written, so none of their sets is scored."""
+        """Before the daemon's first scan: read which steps are still being written,
+        so none of their sets is scored (the config is checked by the preflight)."""
         if not self.enabled:
             return
-        if not self.writer_cfg.command:
-            raise ConfigError("[writer] command = []: [loop] is configured, so a writer "
-                              "command is needed to write each step")
-        writer.check_command(self.writer_cfg.command)
         for run in self._run_names():
             rec = read_record(self.runs, run)
             if rec is not None:

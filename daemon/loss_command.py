@@ -16,7 +16,7 @@ def main(args: argparse.Namespace) -> int:
     if args.model is not None:
         overrides["model"] = args.model
     if args.timeout is not None:
-        overrides["timeout"] = args.timeout
+        overrides["timeout_s"] = args.timeout
     settings = config.with_llm_overrides(cfg.llm, overrides, origin="the command line")
     llm.check_credentials(settings)  # a missing key is exit 2, not five failed attempts
     work = dataset.load_work(args.work)

@@ -24,14 +24,19 @@ def main(config_path: Path | None, once: bool = False) -> int:
     cfg = config.load(config_path)
     if notice := config.defaults_notice(cfg):
         print(f"skilltrain: {notice}", file=sys.stderr)
+    for note in cfg.renamed:
+        print(f"skilltrain: warning: {note}", file=sys.stderr)
     try:
-        preflight(cfg)  # before the log file (in runs/) is opened: a bad config creates nothing
+        # Before the log file (in runs/) is opened: a bad config creates nothing.
+        preflight(cfg, once=once)
     except ConfigError as e:
         _log_if_possible(cfg, e)
         raise
     runs_existed = cfg.paths.runs.is_dir()
     log.configure(log_file=cfg.log.file, level=cfg.log.level)
     daemon = Daemon(cfg, once=once, runs_existed=runs_existed)
+    for note in cfg.renamed:
+        daemon.emit("config.renamed", level="warning", note=note)
     _install_signal_handlers(daemon)
     try:
         daemon.start()

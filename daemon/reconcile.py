@@ -65,7 +65,7 @@ class Reconciler:
         self.heartbeat = heartbeat
         self.scanned = scanned  # after each scan: the step folders still open (to watch)
         self.once = once
-        self.settle = SettleClock(cfg.loss.settle_seconds, self.runs, discovery.ignore)
+        self.settle = SettleClock(cfg.loss.settle_s, self.runs, discovery.ignore)
         self.human_digests = HumanDigests()
         self.failures = 0  # sets that will not complete by themselves (--once exit code)
         self.once_rescan_at = 0.0  # --once: when sets waiting to settle are ready
@@ -213,7 +213,7 @@ class Reconciler:
     def settle_again(self, key: layout.SetKey) -> None:
         """For jobs: the set's inputs changed under a job; it settles from now."""
         self.settle.forget(key)
-        self._settle_later(key, self.clock() + self.cfg.loss.settle_seconds)
+        self._settle_later(key, self.clock() + self.cfg.loss.settle_s)
 
     def _settle_later(self, key: layout.SetKey, when: float) -> None:
         """Look at a set again when its settle window ends. --once has no
@@ -293,7 +293,7 @@ class Reconciler:
         if obs.zero_byte and not obs.unusable:
             # A file is created empty an instant before it is written: only
             # one still empty after the settle window is worth a line.
-            quiet_until = obs.newest_mtime_ns / 1e9 + self.cfg.loss.settle_seconds
+            quiet_until = obs.newest_mtime_ns / 1e9 + self.cfg.loss.settle_s
             stuck = quiet_until <= self.clock()
             if not stuck:
                 self._settle_later(key, quiet_until + 0.05)

@@ -28,7 +28,7 @@ from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from ..handlers import loss, optimizer
+from ..handlers import loss, optimizer, writer
 from . import atomic, config, layout, leakguard, llm, log, notify
 from .discovery import Discovery
 from .errors import ConfigError, ExitCode
@@ -122,7 +122,7 @@ class Daemon:
     # --------------------------------------------------------------- start-up
     def start(self) -> None:
         """Check config, lock, clean up, first scan, start intake. Raises on bad config."""
-        preflight(self.cfg)  # before anything is created
+        preflight(self.cfg, once=self.once)  # before anything is created
         _quiet_inotify_stop_race()  # every stop of the observer: at SIGTERM, on fallback
         runs_existed = self.runs_existed if self.runs_existed is not None else self.runs.is_dir()
         self.runs.mkdir(parents=True, exist_ok=True)
@@ -174,7 +174,7 @@ class Daemon:
         # What changed in a part of the tree the first scan had passed before
         # its step was watched: one more scan finds it.
         self.reconcile.schedule_scan()
-        interval = self.cfg.watch.resync_seconds
+        interval = self.cfg.watch.resync_s
         self.scheduler.add_job(self.reconcile.scan, "interval", seconds=interval,
                                id="resync", jitter=max(1, int(interval * RESYNC_JITTER)),
                                replace_existing=True)
@@ -301,9 +301,9 @@ class Daemon:
             if rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
                 break
             self.reconcile.once_rescan_at = 0.0
-            # A settle window is never longer than settle_seconds from now.
+            # A settle window is never longer than settle_s from now.
             wait_s = min(rescan_at - time.time(),
-                         self.cfg.loss.settle_seconds + CLOCK_SKEW_TOLERANCE_S)
+                         self.cfg.loss.settle_s + CLOCK_SKEW_TOLERANCE_S)
             if self.stop_event.wait(max(0.0, wait_s) + 0.05):
                 break
             self.reconcile.scan()
@@ -387,14 +387,20 @@ def _loss_dirs(runs: Path) -> list[Path]:
             if (run / layout.LOSS_DIR).is_dir()]
 
 
-def preflight(cfg: config.Config) -> None:
-    """Every configuration error found before anything is created or any job runs."""
+def preflight(cfg: config.Config, *, once: bool = False) -> None:
+    """Every configuration error found before anything is created, a lock
+    taken, a log opened or any job run (exit 2)."""
     if not cfg.paths.data.is_dir():
         raise ConfigError(f"[paths] data = {str(cfg.paths.data)!r}: no such folder "
                           "(the answer keys live in data/<work>/human/)")
     # A syntax error or a misspelt variable stops us here, with its line.
     loss.check_template(PromptTemplates(cfg.paths.prompts))
     optimizer.check_command(cfg.optimizer.command)
+    if cfg.loop is not None and not once:
+        if not cfg.writer.command:
+            raise ConfigError("[writer] command = []: [loop] is configured, so a writer "
+                              "command is needed to write each step")
+        writer.check_command(cfg.writer.command)
     llm.check_credentials(cfg.llm)
 
 

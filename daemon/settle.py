@@ -1,7 +1,7 @@
 """When a complete episode range has finished being written.
 
 A range is scored only after its files have been quiet for `[loss]
-settle_seconds`: by their mtimes, and by what this daemon saw change (a
+settle_s`: by their mtimes, and by what this daemon saw change (a
 writer whose clock runs ahead, or a copy tool that keeps old mtimes, would
 fool the mtimes alone). `_SUCCESS`, newer than every episode, says "finished"
 at once.
@@ -54,7 +54,7 @@ class SettleClock:
         return 0.0  # _changed_at's settle window from our own clock applies
 
     def _changed_at(self, key: layout.SetKey, obs: Observation, now: float) -> float:
-        """A set whose files changed since we last looked waits settle_seconds from now.
+        """A set whose files changed since we last looked waits settle_s from now.
 
         mtimes alone would do on a local disk; this guards against a writer
         whose clock (NFS) or copy tool (`cp -p`, rsync -t) sets old mtimes.

@@ -39,7 +39,7 @@ BUDGET_REASON = "budget reached"
 
 class SetState(enum.StrEnum):
     WAITING = "waiting"  # range incomplete: episodes missing or empty
-    SETTLING = "settling"  # complete, still being written (changed < settle_seconds ago)
+    SETTLING = "settling"  # complete, still being written (changed < settle_s ago)
     HELD = "held"  # complete and settled, no report: held back by [llm] budget_usd
     QUEUED = "queued"
     RUNNING = "running"

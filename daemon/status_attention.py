@@ -49,7 +49,7 @@ class Policy:
         llm = cfg.llm
         return cls(budget_usd=llm.budget_usd, loss_max_attempts=cfg.loss.max_attempts,
                    optimizer_max_attempts=cfg.optimizer.max_attempts,
-                   job_bound_s=(llm.timeout * (llm.max_retries + 1)
+                   job_bound_s=(llm.timeout_s * (llm.max_retries + 1)
                                 + llm.backoff_max_s * llm.max_retries + 60.0))
 
 

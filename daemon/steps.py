@@ -243,7 +243,7 @@ class Steps:
                     rec.optimizer_exit_code = result.exit_code
                     rec.optimizer_done = result.exit_code == 0
                     if not rec.optimizer_done:
-                        rec.optimizer_next_at = self.clock() + self.cfg.loss.retry_backoff_s
+                        rec.optimizer_next_at = self.clock() + self.cfg.optimizer.retry_backoff_s
             self._write_marker(step)
             if result.exit_code != 0:
                 self.failures += 1

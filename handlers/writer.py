@@ -8,7 +8,7 @@ and event names: no shell, the command's own session (a timeout or a stop
 kills its whole process group), its output relayed line by line as
 `writer.output`. The writer writes
 `runs/<run>/epoch_EE/step_SS/<work>/scripts/epNN.txt` (and `_SUCCESS` when
-done, or the daemon waits `settle_seconds`); the daemon picks the episodes up
+done, or the daemon waits `settle_s`); the daemon picks the episodes up
 as it does those of any writer.
 
 The daemon may run the writer of a step twice: when it is killed while the
@@ -42,8 +42,9 @@ class WriterJob:
         return {
             "run": self.step.run,
             "run_dir": str(self.step.run_dir(runs)),
-            "epoch": str(self.step.epoch),  # the integer; the folder is epoch_EE
-            "step": str(self.step.step),
+            # Two digits, as the folders (epoch_EE/step_SS) and the optimizer's.
+            "epoch": f"{self.step.epoch:02d}",
+            "step": f"{self.step.step:02d}",
             "prev_reports_dir": "" if self.previous is None
             else str(self.previous.reports_dir(runs)),
         }

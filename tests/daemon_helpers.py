@@ -370,19 +370,19 @@ def build_workspace(
         config_toml(
             llm_url,
             llm={
-                "timeout": llm_timeout_s,
+                "timeout_s": llm_timeout_s,
                 "max_retries": 1,
                 "backoff_initial_s": 0.05,
                 "backoff_max_s": 0.2,
             },
             loss={
                 "episodes_per_report": per_report,
-                "settle_seconds": settle_s,
+                "settle_s": settle_s,
                 "concurrency": concurrency,
                 "max_attempts": max_attempts,
                 "retry_backoff_s": retry_backoff_s,
             },
-            watch={"resync_seconds": resync_s, "observer": observer},
+            watch={"resync_s": resync_s, "observer": observer},
             sections={"daemon": {"shutdown_timeout_s": shutdown_timeout_s}},
             extra=extra,
         ),

@@ -47,7 +47,7 @@ def test_no_config_file_means_the_defaults_resolved_against_the_working_director
 
     assert cfg.llm.model == BUILTIN_MODEL
     assert cfg.llm.api_base is None
-    assert cfg.llm.timeout == 600.0
+    assert cfg.llm.timeout_s == 600.0
     assert cfg.llm.max_retries == 4
     assert cfg.loss.episodes_per_report == 3
     assert cfg.watch.observer == "auto"
@@ -76,13 +76,13 @@ def test_config_is_frozen(tmp_path: Path) -> None:
     cfg = config.load(write(tmp_path, ""), environ={})
 
     with pytest.raises(ValueError, match="frozen"):
-        cfg.llm.timeout = 1.0
+        cfg.llm.timeout_s = 1.0
 
 
 def test_values_from_the_file_are_used(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        '[llm]\nmodel = "openai/gpt-4o-mini"\ntimeout = 30\nmax_retries = 0\n'
+        '[llm]\nmodel = "openai/gpt-4o-mini"\ntimeout_s = 30\nmax_retries = 0\n'
         '[watch]\nobserver = "polling"\n'
         '[optimizer]\ncommand = ["python", "-m", "opt", "--run", "{run_dir}"]\n',
     )
@@ -90,7 +90,7 @@ def test_values_from_the_file_are_used(tmp_path: Path) -> None:
     cfg = config.load(path, environ={})
 
     assert cfg.llm.model == "openai/gpt-4o-mini"
-    assert cfg.llm.timeout == 30.0 and isinstance(cfg.llm.timeout, float)
+    assert cfg.llm.timeout_s == 30.0 and isinstance(cfg.llm.timeout_s, float)
     assert cfg.llm.max_retries == 0
     assert cfg.watch.observer == "polling"
     assert cfg.optimizer.command == ["python", "-m", "opt", "--run", "{run_dir}"]
@@ -160,10 +160,10 @@ def test_wrong_type_names_key_value_and_expected_type(
     ("section", "key", "value", "bound"),
     [
         ("llm", "max_retries", "99", "less than or equal to 20"),
-        ("llm", "timeout", "0", "greater than 0"),
+        ("llm", "timeout_s", "0", "greater than 0"),
         ("llm", "temperature", "3.5", "less than or equal to 2"),
         ("loss", "concurrency", "0", "greater than or equal to 1"),
-        ("loss", "settle_seconds", "-1", "greater than or equal to 0"),
+        ("loss", "settle_s", "-1", "greater than or equal to 0"),
     ],
 )
 def test_out_of_range_names_key_value_and_bound(
@@ -235,11 +235,11 @@ def test_other_section_that_is_not_a_table_is_a_one_line_config_error(tmp_path: 
 
 
 def test_environment_overrides_model_api_base_and_timeout(tmp_path: Path) -> None:
-    path = write(tmp_path, '[llm]\nmodel = "builtin/craft-metrics"\ntimeout = 600\n')
+    path = write(tmp_path, '[llm]\nmodel = "builtin/craft-metrics"\ntimeout_s = 600\n')
     environ = {
         "SKILLTRAIN_LLM_MODEL": "openai/gpt-4o-mini",
         "SKILLTRAIN_LLM_API_BASE": "http://127.0.0.1:8000/v1",
-        "SKILLTRAIN_LLM_TIMEOUT": "30",
+        "SKILLTRAIN_LLM_TIMEOUT_S": "30",
         "SKILLTRAIN_LLM_MAX_RETRIES": "0",
         "SKILLTRAIN_LLM_TEMPERATURE": "0.2",
         "SKILLTRAIN_OTHER": "ignored",
@@ -250,9 +250,10 @@ def test_environment_overrides_model_api_base_and_timeout(tmp_path: Path) -> Non
 
     assert cfg.llm.model == "openai/gpt-4o-mini"
     assert cfg.llm.api_base == "http://127.0.0.1:8000/v1"
-    assert cfg.llm.timeout == 30.0
+    assert cfg.llm.timeout_s == 30.0
     assert cfg.llm.max_retries == 0
     assert cfg.llm.temperature == 0.2
+    assert cfg.renamed == ()
 
 
 def test_environment_override_applies_without_a_config_file(
@@ -263,13 +264,13 @@ def test_environment_override_applies_without_a_config_file(
     cfg = config.load(None, environ={"SKILLTRAIN_LLM_MODEL": "anthropic/claude-sonnet-4-5"})
 
     assert cfg.llm.model == "anthropic/claude-sonnet-4-5"
-    assert cfg.llm.timeout == 600.0
+    assert cfg.llm.timeout_s == 600.0
 
 
 def test_load_reads_os_environ_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SKILLTRAIN_LLM_TIMEOUT", "12.5")
 
-    assert config.load(write(tmp_path, "")).llm.timeout == 12.5
+    assert config.load(write(tmp_path, "")).llm.timeout_s == 12.5
 
 
 def test_bad_environment_override_is_validated_like_the_file(tmp_path: Path) -> None:
@@ -409,3 +410,56 @@ def test_state_follows_runs_unless_set_and_the_environment_wins(tmp_path: Path) 
     unit = config.load(write(tmp_path, '[paths]\nstate = "db/s.sqlite3"\n'),
                        environ={config.STATE_ENV: "/var/lib/skilltrain/state.sqlite3"})
     assert unit.paths.state == Path("/var/lib/skilltrain/state.sqlite3")
+
+
+# ------------------------------------------------------------------ renamed keys
+
+
+def test_the_old_duration_names_still_read_with_one_warning_naming_the_new(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, "[llm]\ntimeout = 30\n[loss]\nsettle_seconds = 2\n"
+                           "[watch]\nresync_seconds = 60\n")
+
+    cfg = config.load(path, environ={})
+
+    assert (cfg.llm.timeout_s, cfg.loss.settle_s, cfg.watch.resync_s) == (30.0, 2.0, 60.0)
+    assert len(cfg.renamed) == 3
+    for old, new in (("[llm] timeout", "timeout_s"), ("[loss] settle_seconds", "settle_s"),
+                     ("[watch] resync_seconds", "resync_s")):
+        (note,) = [n for n in cfg.renamed if n.startswith(old + " ")]
+        assert new in note and "still works" in note
+
+
+def test_an_old_name_from_the_environment_wins_over_the_file_and_is_named(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, "[llm]\ntimeout_s = 600\n")
+
+    cfg = config.load(path, environ={"SKILLTRAIN_LLM_TIMEOUT": "30"})
+
+    assert cfg.llm.timeout_s == 30.0
+    (note,) = cfg.renamed
+    assert "SKILLTRAIN_LLM_TIMEOUT " in note and "SKILLTRAIN_LLM_TIMEOUT_S" in note
+    bad = load_error(tmp_path, "[llm]\ntimeout_s = 600\n", {"SKILLTRAIN_LLM_TIMEOUT": "-1"})
+    assert "SKILLTRAIN_LLM_TIMEOUT" in bad and "greater than 0" in bad
+
+
+def test_an_old_and_a_new_name_of_one_setting_in_the_file_is_an_error(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "[loss]\nsettle_seconds = 2\nsettle_s = 3\n")
+    assert message == "[loss] settle_seconds and settle_s are the same setting; keep settle_s"
+
+
+def test_the_daemon_logs_each_old_name_once_at_start(tmp_path: Path) -> None:
+    from tests.daemon_helpers import build_workspace, read_events, run_cli
+
+    ws = build_workspace(tmp_path, "http://127.0.0.1:9/v1", works={"alpha": 3})
+    text = ws.config_path.read_text(encoding="utf-8")
+    ws.config_path.write_text(text.replace("settle_s =", "settle_seconds ="), encoding="utf-8")
+    result, _ = run_cli("daemon", "--once", "--config", str(ws.config_path))
+    assert result.returncode == 0, result.stderr
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("skilltrain: warning")]
+    assert warnings == ["skilltrain: warning: [loss] settle_seconds is now called [loss] "
+                        "settle_s; the old name still works"]
+    (logged,) = read_events(ws.log_file, "config.renamed")
+    assert logged["level"] == "warning" and "settle_s" in logged["note"]

@@ -213,7 +213,7 @@ class Workspace:
             "llm": {
                 "model": self.model,
                 "api_base": self.server.url,
-                "timeout": 10,
+                "timeout_s": 10,
                 "max_retries": 0,
                 "backoff_initial_s": 0.01,
             },

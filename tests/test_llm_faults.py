@@ -173,7 +173,7 @@ def faulty_workspace(root: Path, url: str, **keys: float) -> tuple[Workspace, li
     above, with `keys` overriding any of its config keys."""
     ws = build_workspace(root, url, works={"alpha": 6, "beta": 6}, concurrency=4)
     policy: dict[str, float] = {
-        "timeout": TIMEOUT_S,
+        "timeout_s": TIMEOUT_S,
         "max_retries": MAX_RETRIES,
         "backoff_initial_s": BACKOFF_INITIAL_S,
         "backoff_max_s": BACKOFF_MAX_S,

@@ -383,9 +383,11 @@ def test_a_run_deleted_and_started_again_under_its_name_runs_afresh(
 def test_loop_config_errors_name_the_key_and_exit_2(tmp_path: Path) -> None:
     ws = build_workspace(tmp_path / "a", "http://127.0.0.1:9/v1",
                          extra="[loop]\nsteps_per_epoch = 2\n")
+    before = sorted(tmp_path.rglob("*"))
     result, _ = run_cli("daemon", "--config", str(ws.config_path))
     assert result.returncode == 2
     assert "[writer] command = []: [loop] is configured" in result.stderr
+    assert sorted(tmp_path.rglob("*")) == before  # found by the preflight: no lock, log, state
 
     bad = build_workspace(tmp_path / "b", "http://127.0.0.1:9/v1",
                           extra="[loop]\nstop_belw = 0.1\n")
