@@ -4,8 +4,13 @@
 Prometheus text format (prometheus-client's own server, in a thread). The
 numbers are derived from the same events the log gets (`observe`), plus the
 set states read at scrape time, so a metric never says something the log
-does not. Label values are run names, set states and token kinds, never file
-contents. docs/metrics.md lists them with a scrape config.
+does not. Label values are run names, set states, phases and token kinds,
+never file contents or set names: a series per run at most, so a week of
+training with thousands of sets stays a few hundred series. The per-run
+gauges (loop phase, spend, budget, last report) are read at scrape time from
+the run records and the state (daemon/metrics_runs.py). docs/metrics.md lists
+them all with a scrape config; systemd/prometheus/ has the alert rules and
+systemd/grafana/ the dashboard built on them.
 
 Each Metrics object has its own registry, so two daemons in one process (the
 tests) do not share counters.
@@ -22,13 +27,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .config import split_listen
-from .errors import ConfigError
+from .errors import ConfigError, LLMError
 
 PREFIX = "skilltrain"
 TOKEN_KINDS = {"in": "tokens_in", "out": "tokens_out", "cached": "tokens_cached",
                "cache_write": "tokens_cache_write"}
 # One loss completion takes seconds to minutes; retries and their waits included.
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
+# A writer or an optimizer run: a toy's second to a fine-tuning's hours.
+STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
+                 float("inf"))
+STAGES = ("writer", "optimizer")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,10 +87,26 @@ class Metrics:
         self.startup_catching_up = Gauge(f"{PREFIX}_startup_catching_up",
                                          "1 while the start-up scan runs (ready, not caught up)",
                                          registry=r)
+        # One per attempt at the provider: a retried error, the error a call
+        # gave up on, the reply it returned (good or not: a bad reply is a
+        # refused set). The failure-ratio alert divides these.
+        self.llm_attempts = Counter(f"{PREFIX}_llm_attempts",
+                                    "LLM call attempts by outcome (ok, error)",
+                                    ["outcome"], registry=r)
+        self.stage_seconds = {stage: Histogram(f"{PREFIX}_{stage}_seconds",
+                                               f"Wall time of one {stage} run (failed ones too)",
+                                               buckets=STAGE_BUCKETS, registry=r)
+                              for stage in STAGES}
+        self.stage_failures = {stage: Counter(f"{PREFIX}_{stage}_failures",
+                                              f"{stage.capitalize()} runs that failed",
+                                              ["run"], registry=r)
+                               for stage in STAGES}
         for kind in ("failed", "refused"):
             self.set_failures.labels(kind)  # present at 0 from the first scrape
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind)
+        for outcome in ("ok", "error"):
+            self.llm_attempts.labels(outcome)
         r.register(_SetStates(counts, states))
         ProcessCollector(registry=r)
         self._server: Any = None
@@ -97,6 +122,14 @@ class Metrics:
             self.cost.inc(_number(fields.get("cost_usd")))
         elif event in ("loss.failed", "loss.refused"):
             self.set_failures.labels(event.split(".")[1]).inc()
+        elif event == "loss.retry":
+            self.llm_attempts.labels("error").inc()
+        elif event in ("writer.finished", "optimizer.finished"):
+            stage = event.split(".")[0]
+            self.stage_seconds[stage].observe(_number(fields.get("duration_ms")) / 1000)
+        elif event in ("writer.failed", "optimizer.failed") \
+                and isinstance(fields.get("run"), str):
+            self.stage_failures[event.split(".")[0]].labels(fields["run"]).inc()
         elif event == "step.reported" and isinstance(fields.get("run"), str):
             run = fields["run"]
             self.steps_reported.labels(run).inc()
@@ -113,14 +146,25 @@ class Metrics:
     def caught_up(self) -> None:
         self.startup_catching_up.set(0)
 
+    def register(self, collector: Collector) -> None:
+        """A collector read at scrape time (the per-run gauges, the watcher's mode)."""
+        self.registry.register(collector)
+
     def timed(self, fn: F) -> F:
-        """`fn` (the LLM completion), observed in skilltrain_llm_request_seconds."""
+        """`fn` (the LLM completion), observed in skilltrain_llm_request_seconds;
+        its last attempt counted in skilltrain_llm_attempts_total (the retried
+        ones are counted from `loss.retry`)."""
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.monotonic()
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            except LLMError:
+                self.llm_attempts.labels("error").inc()
+                raise  # anything else (a shutdown's abandon) is not the provider's doing
             finally:
                 self.request_seconds.observe(time.monotonic() - t0)
+            self.llm_attempts.labels("ok").inc()
+            return result
 
         return wrapper  # type: ignore[return-value]
 

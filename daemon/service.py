@@ -36,6 +36,7 @@ from .jobs import Budget, Claims, Jobs
 from .lock import RunsLock
 from .loop import Loop
 from .metrics import Metrics
+from .metrics_runs import WatcherGauge, run_gauges
 from .reconcile import Reconciler
 from .settle import CLOCK_SKEW_TOLERANCE_S
 from .state import SetState, StateStore
@@ -103,6 +104,8 @@ class Daemon:
                                     scanned=self._scanned, once=once)
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.reconcile.schedule_scan)
+        self.metrics.register(run_gauges(self.runs, self.state, cfg.llm.budget_usd))
+        self.metrics.register(WatcherGauge(lambda: self.watcher.kind, cfg.watch.observer))
 
     @property
     def failures(self) -> int:
