@@ -115,6 +115,10 @@ class Metrics:
     # ------------------------------------------------------------- events in
     def observe(self, event: str, fields: Mapping[str, Any]) -> None:
         """Count one daemon event (the name and fields it is logged with)."""
+        run = fields.get("run")
+        if event in ("writer.started", "step.reported") and isinstance(run, str):
+            for failures in self.stage_failures.values():
+                failures.labels(run)  # at 0 from the run's first stage: increase() sees the 1st
         if event == "loss.completed":
             self.reports.inc()
             for kind, name in TOKEN_KINDS.items():
@@ -127,11 +131,9 @@ class Metrics:
         elif event in ("writer.finished", "optimizer.finished"):
             stage = event.split(".")[0]
             self.stage_seconds[stage].observe(_number(fields.get("duration_ms")) / 1000)
-        elif event in ("writer.failed", "optimizer.failed") \
-                and isinstance(fields.get("run"), str):
-            self.stage_failures[event.split(".")[0]].labels(fields["run"]).inc()
-        elif event == "step.reported" and isinstance(fields.get("run"), str):
-            run = fields["run"]
+        elif event in ("writer.failed", "optimizer.failed") and isinstance(run, str):
+            self.stage_failures[event.split(".")[0]].labels(run).inc()
+        elif event == "step.reported" and isinstance(run, str):
             self.steps_reported.labels(run).inc()
             distance = fields.get("craft_distance")
             if isinstance(distance, int | float):
