@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import run_record
+from . import config, run_record
+from .metrics import Metrics
 from .state import StateStore
 
 PREFIX = "skilltrain"
@@ -110,14 +110,19 @@ class RunGauges(Collector):
             yield from (budget, left)
 
 
-def run_gauges(runs: Path, state: StateStore, budget_usd: float | None) -> RunGauges:
-    """The daemon's: its runs' records, its state's spend, `[llm] budget_usd`."""
+def install(metrics: Metrics, cfg: config.Config, state: StateStore,
+            watcher_kind: Callable[[], str]) -> None:
+    """The daemon's gauges: its runs' records, its state's spend, `[llm] budget_usd`,
+    its watcher (`watcher_kind`: the observer running now)."""
     def spending() -> dict[str, RunSpending]:
         with state.lock:
             return {run: RunSpending(spend.cost_usd, spend.last_report_at)
                     for run, spend in state.spend.items()}
 
-    return RunGauges(lambda: run_record.status_rows(runs), spending, budget_usd)
+    runs = cfg.paths.runs
+    metrics.register(RunGauges(lambda: run_record.status_rows(runs), spending,
+                               cfg.llm.budget_usd))
+    metrics.register(WatcherGauge(watcher_kind, cfg.watch.observer))
 
 
 class WatcherGauge(Collector):

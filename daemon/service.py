@@ -29,14 +29,13 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer
-from . import atomic, config, dataset, layout, llm, log, notify
+from . import atomic, config, dataset, layout, llm, log, metrics_runs, notify
 from .discovery import Discovery, subdirs
 from .errors import ConfigError, ExitCode
 from .jobs import Budget, Claims, Jobs
 from .lock import RunsLock
 from .loop import Loop
 from .metrics import Metrics
-from .metrics_runs import WatcherGauge, run_gauges
 from .reconcile import Reconciler
 from .settle import CLOCK_SKEW_TOLERANCE_S
 from .state import SetState, StateStore
@@ -104,8 +103,7 @@ class Daemon:
                                     scanned=self._scanned, once=once)
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.reconcile.schedule_scan)
-        self.metrics.register(run_gauges(self.runs, self.state, cfg.llm.budget_usd))
-        self.metrics.register(WatcherGauge(lambda: self.watcher.kind, cfg.watch.observer))
+        metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
 
     @property
     def failures(self) -> int:
