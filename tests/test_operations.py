@@ -320,6 +320,23 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=root)
 
+    def wait_ready(self, timeout: float) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, f"prometheus exited: {self.log_text()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready",
+                                            timeout=2) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return False
+
+        wait_until(ready, timeout, interval=0.1,
+                   message=lambda: f"prometheus ready; its log: {self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(encoding="utf-8", errors="replace")[-2000:]
+
     def query(self, expr: str) -> dict[str, Any]:
         url = (f"http://127.0.0.1:{self.port}/api/v1/query?"
                + urllib.parse.urlencode({"query": expr}))
@@ -372,6 +389,7 @@ def test_every_panel_and_rule_evaluates_against_a_real_prometheus(tmp_path: Path
     try:
         with InProcessDaemon(ws):
             start_run(ws, "r1")
+            prometheus.wait_ready(30)
             wait_until(lambda: ws.events("run.finished", run="r1"), 40, message="run.finished")
             # Scraped since the run finished, and twice over the rate windows' samples.
             wait_until(lambda: prometheus.query('skilltrain_runs{phase="finished"} == 1')
@@ -382,14 +400,13 @@ def test_every_panel_and_rule_evaluates_against_a_real_prometheus(tmp_path: Path
             alerts = {rule["alert"]: prometheus.query(rule["expr"]) for rule in rules()}
             inner = {sel: prometheus.query(f"count({sel})")
                      for rule in rules() for sel in selectors(rule["expr"])}
-            last_report = ws.events("loss.completed")[-1]
-            writers = len(ws.events("writer.finished", run="r1"))
+            reports = ws.events("loss.completed")
             checks = {
                 'skilltrain_run_phase{run="r1", phase="finished"}': 1,
                 "skilltrain_runs_stalled": 0,
-                "skilltrain_writer_seconds_count": writers,
-                "skilltrain_optimizer_seconds_count": 2,
-                'skilltrain_llm_attempts_total{outcome="ok"}': 4,  # 2 steps x 2 sets
+                "skilltrain_writer_seconds_count": len(ws.events("writer.finished", run="r1")),
+                "skilltrain_optimizer_seconds_count": len(ws.events("optimizer.finished")),
+                'skilltrain_llm_attempts_total{outcome="ok"}': len(reports),
                 'skilltrain_run_budget_left_usd{run="r1"}': BUDGET_USD,  # the reviewer is free
                 'skilltrain_watcher_mode{mode="native"}': 1,
                 'up{job="skilltrain"}': 1,
@@ -409,5 +426,6 @@ def test_every_panel_and_rule_evaluates_against_a_real_prometheus(tmp_path: Path
     for sel, answer in inner.items():
         assert answer["status"] == "success" and answer["data"]["result"], f"no data for {sel}"
     assert values == checks
-    logged = datetime.fromisoformat(last_report["timestamp"].replace("Z", "+00:00"))
+    assert len(reports) >= 4  # 2 steps x 2 sets
+    logged = datetime.fromisoformat(reports[-1]["timestamp"].replace("Z", "+00:00"))
     assert abs(reported_at - logged.timestamp()) < 1  # the spend is added as it is logged
