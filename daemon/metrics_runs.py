@@ -22,10 +22,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import config, run_record
-from .metrics import Metrics
+from .metrics import PREFIX, Metrics
 from .state import StateStore
 
-PREFIX = "skilltrain"
 PHASES = tuple(phase.value for phase in run_record.Phase)
 OBSERVER_KINDS = ("native", "polling")
 
