@@ -5,7 +5,7 @@ and optimizer of examples/ as subprocesses, the built-in reviewer, and a
 real Prometheus (Debian's `prometheus` package: `prometheus` and `promtool`)
 started from the test on a free loopback port, scraping every second into a
 tmp folder. Every panel's and every rule's expression is evaluated through
-Prometheus' HTTP API. Without the binaries those tests are skipped with the
+Prometheus' HTTP API, and `promtool check metrics` lints the exposition. Without the binaries those tests are skipped with the
 reason; .ci/run installs them.
 """
 
@@ -53,7 +53,8 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 MISSING = "not installed (Debian package `prometheus`; .ci/run installs it)"
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=f"promtool {MISSING}")
-needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason=f"prometheus {MISSING}")
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None,
+                                      reason=f"prometheus or promtool {MISSING}")
 # What Grafana puts in for the dashboard's variables ("All") and its rate window.
 GRAFANA_VALUES = {"$__rate_interval": "1m", "$job": ".+", "$run": ".*"}
 BUDGET_USD = 5.0
@@ -414,8 +415,15 @@ def test_every_panel_and_rule_evaluates_against_a_real_prometheus(tmp_path: Path
             values = {expr: prometheus.value(expr) for expr in checks}
             reported_at = prometheus.value(
                 'skilltrain_run_last_report_timestamp_seconds{run="r1"}')
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                exposition = r.read()
     finally:
         prometheus.close()
+
+    assert PROMTOOL is not None  # the same package
+    lint = subprocess.run([PROMTOOL, "check", "metrics"], input=exposition,
+                          capture_output=True, timeout=30)
+    assert lint.returncode == 0 and not lint.stdout.strip(), lint.stdout + lint.stderr
 
     for (title, expr), answer in panels.items():
         assert answer["status"] == "success", f"{title}: {expr}: {answer.get('error')}"
