@@ -5,8 +5,9 @@ and optimizer of examples/ as subprocesses, the built-in reviewer, and a
 real Prometheus (Debian's `prometheus` package: `prometheus` and `promtool`)
 started from the test on a free loopback port, scraping every second into a
 tmp folder. Every panel's and every rule's expression is evaluated through
-Prometheus' HTTP API, and `promtool check metrics` lints the exposition. Without the binaries those tests are skipped with the
-reason; .ci/run installs them.
+Prometheus' HTTP API, and `promtool check metrics` lints the exposition.
+Without the binaries those tests are skipped with the reason; .ci/run
+installs them.
 """
 
 from __future__ import annotations
