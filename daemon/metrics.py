@@ -4,8 +4,13 @@
 Prometheus text format (prometheus-client's own server, in a thread). The
 numbers are derived from the same events the log gets (`observe`), plus the
 set states read at scrape time, so a metric never says something the log
-does not. Label values are run names, set states and token kinds, never file
-contents. docs/metrics.md lists them with a scrape config.
+does not. Label values are run names, set states, phases and token kinds,
+never file contents or set names: a series per run at most, so a week of
+training with thousands of sets stays a few hundred series. The per-run
+gauges (loop phase, spend, budget, last report) are read at scrape time from
+the run records and the state (daemon/metrics_runs.py). docs/metrics.md lists
+them all with a scrape config; systemd/prometheus/ has the alert rules and
+systemd/grafana/ the dashboard built on them.
 
 Each Metrics object has its own registry, so two daemons in one process (the
 tests) do not share counters.
@@ -22,13 +27,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .config import split_listen
-from .errors import ConfigError
+from .errors import ConfigError, LLMError
 
 PREFIX = "skilltrain"
 TOKEN_KINDS = {"in": "tokens_in", "out": "tokens_out", "cached": "tokens_cached",
                "cache_write": "tokens_cache_write"}
 # One loss completion takes seconds to minutes; retries and their waits included.
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
+# A writer or an optimizer run: a toy's second to a fine-tuning's hours.
+STAGE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
+                 float("inf"))
+STAGES = ("writer", "optimizer")
 
 CLAIM_VERDICTS = ("confirmed", "contradicted", "not_checkable")
 
@@ -92,10 +101,26 @@ class Metrics:
             self.claims.labels(verdict)
         for status in ("not_checked", "malformed"):
             self.unchecked.labels(status)
+        # One per attempt at the provider: a retried error, the error a call
+        # gave up on, the reply it returned (good or not: a bad reply is a
+        # refused set). The failure-ratio alert divides these.
+        self.llm_attempts = Counter(f"{PREFIX}_llm_attempts",
+                                    "LLM call attempts by outcome (ok, error)",
+                                    ["outcome"], registry=r)
+        self.stage_seconds = {stage: Histogram(f"{PREFIX}_{stage}_seconds",
+                                               f"Wall time of one {stage} run (failed ones too)",
+                                               buckets=STAGE_BUCKETS, registry=r)
+                              for stage in STAGES}
+        self.stage_failures = {stage: Counter(f"{PREFIX}_{stage}_failures",
+                                              f"{stage.capitalize()} runs that failed",
+                                              ["run"], registry=r)
+                               for stage in STAGES}
         for kind in ("failed", "refused", "contradicted"):
             self.set_failures.labels(kind)  # present at 0 from the first scrape
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind)
+        for outcome in ("ok", "error"):
+            self.llm_attempts.labels(outcome)
         r.register(_SetStates(counts, states))
         ProcessCollector(registry=r)
         self._server: Any = None
@@ -104,6 +129,10 @@ class Metrics:
     # ------------------------------------------------------------- events in
     def observe(self, event: str, fields: Mapping[str, Any]) -> None:
         """Count one daemon event (the name and fields it is logged with)."""
+        run = fields.get("run")
+        if event in ("writer.started", "step.reported") and isinstance(run, str):
+            for failures in self.stage_failures.values():
+                failures.labels(run)  # at 0 from the run's first stage: increase() sees the 1st
         if event == "loss.completed":
             self.reports.inc()
             for kind, name in TOKEN_KINDS.items():
@@ -113,15 +142,24 @@ class Metrics:
             self._count_claims(fields)
         if event in ("loss.failed", "loss.refused", "loss.contradicted"):
             self.set_failures.labels(event.split(".")[1]).inc()
-        elif event == "step.reported" and isinstance(fields.get("run"), str):
-            run = fields["run"]
-            self.steps_reported.labels(run).inc()
-            distance = fields.get("craft_distance")
-            if isinstance(distance, int | float):
-                self.craft_distance.labels(run).set(distance)
-            share = fields.get("claims_contradicted_share")
-            if isinstance(share, int | float):
-                self.contradicted_share.labels(run).set(share)
+        elif event == "loss.retry":
+            self.llm_attempts.labels("error").inc()
+        elif event in ("writer.finished", "optimizer.finished"):
+            stage = event.split(".")[0]
+            self.stage_seconds[stage].observe(_number(fields.get("duration_ms")) / 1000)
+        elif event in ("writer.failed", "optimizer.failed") and isinstance(run, str):
+            self.stage_failures[event.split(".")[0]].labels(run).inc()
+        elif event == "step.reported" and isinstance(run, str):
+            self._count_step(run, fields)
+
+    def _count_step(self, run: str, fields: Mapping[str, Any]) -> None:
+        self.steps_reported.labels(run).inc()
+        distance = fields.get("craft_distance")
+        if isinstance(distance, int | float):
+            self.craft_distance.labels(run).set(distance)
+        share = fields.get("claims_contradicted_share")
+        if isinstance(share, int | float):
+            self.contradicted_share.labels(run).set(share)
 
     def _count_claims(self, fields: Mapping[str, Any]) -> None:
         for verdict in CLAIM_VERDICTS:
@@ -139,14 +177,25 @@ class Metrics:
     def caught_up(self) -> None:
         self.startup_catching_up.set(0)
 
+    def register(self, collector: Collector) -> None:
+        """A collector read at scrape time (the per-run gauges, the watcher's mode)."""
+        self.registry.register(collector)
+
     def timed(self, fn: F) -> F:
-        """`fn` (the LLM completion), observed in skilltrain_llm_request_seconds."""
+        """`fn` (the LLM completion), observed in skilltrain_llm_request_seconds;
+        its last attempt counted in skilltrain_llm_attempts_total (the retried
+        ones are counted from `loss.retry`)."""
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.monotonic()
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            except LLMError:
+                self.llm_attempts.labels("error").inc()
+                raise  # anything else (a shutdown's abandon) is not the provider's doing
             finally:
                 self.request_seconds.observe(time.monotonic() - t0)
+            self.llm_attempts.labels("ok").inc()
+            return result
 
         return wrapper  # type: ignore[return-value]
 

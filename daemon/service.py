@@ -29,7 +29,7 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer, writer
-from . import atomic, config, layout, leakguard, llm, log, notify
+from . import atomic, config, layout, leakguard, llm, log, metrics_runs, notify
 from .discovery import Discovery
 from .errors import ConfigError, ExitCode
 from .jobs import Budget, Claims, Jobs
@@ -73,7 +73,6 @@ class Daemon:
                                             on_unhealthy=self._unhealthy)
         self._waiting_for_root = False  # runs/ was deleted: waiting is healthy
         self.catching_up = not once  # until the start-up's first scan has looked at every set
-        self._ready_at = 0.0
         self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
         self.abandoned = 0
         self.scheduler = BackgroundScheduler(
@@ -103,6 +102,7 @@ class Daemon:
                                     scanned=self._scanned, once=once)
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.reconcile.schedule_scan)
+        metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
 
     @property
     def failures(self) -> int:

@@ -79,6 +79,9 @@ class RunSpend:
     cost_usd: float = 0.0
     reports: int = 0
     tokens_cache_write: int = 0
+    # Wall clock of the run's last report: /metrics' "no report for an hour"
+    # must survive a restart (a crash loop would otherwise reset it).
+    last_report_at: float | None = None
 
 
 class StateStore:
@@ -287,6 +290,7 @@ class StateStore:
             spend.tokens_cache_write += tokens_cache_write
             spend.cost_usd += cost_usd or 0.0
             spend.reports += 1
+            spend.last_report_at = time.time()
             self._dirty["spend"].add(run)
             return spend
 

@@ -247,12 +247,14 @@ class Steps:
             self._write_marker(step)
             if result.exit_code != 0:
                 self.failures += 1
-            self.emit("optimizer.finished", level="info" if result.exit_code == 0 else "error",
-                      exit_code=result.exit_code, duration_ms=result.duration_ms)
+            # With the step's fields, not only its bound context: /metrics counts
+            # the failures per run from the event itself.
+            emit("optimizer.finished", level="info" if result.exit_code == 0 else "error",
+                 exit_code=result.exit_code, duration_ms=result.duration_ms)
             if result.reason is not None:
-                self.emit("optimizer.failed", level="error", reason=result.reason,
-                          attempt=rec.optimizer_attempts,
-                          will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
+                emit("optimizer.failed", level="error", reason=result.reason,
+                     attempt=rec.optimizer_attempts,
+                     will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
             self.loop.notice(step)  # after the events: the next writer's come later
         if reopened:
             self.check(step)

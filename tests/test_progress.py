@@ -34,7 +34,7 @@ from tests.daemon_helpers import (
     wait_until,
 )
 from tests.daemon_marks import DAEMON_TEST_MARKS
-from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
+from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply, Request
 
 pytestmark = DAEMON_TEST_MARKS
 
@@ -210,8 +210,15 @@ def test_metrics_endpoint_counts_what_the_daemon_does(
     port = _free_port()
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, max_attempts=1,
                          extra=f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n')
-    llm_server.default = lambda request: Reply.ok(DEFAULT_REPORT, cached_tokens=7,
-                                                   cache_write_tokens=40)
+    calls = []
+
+    def first_a_500(request: Request) -> Reply:  # then the reply: one retried attempt
+        calls.append(request)
+        if len(calls) == 1:
+            return Reply.status(500)
+        return Reply.ok(DEFAULT_REPORT, cached_tokens=7, cache_write_tokens=40)
+
+    llm_server.default = first_a_500
     daemon = InProcessDaemon(ws).start()
     try:
         before = _scrape(port)
@@ -241,6 +248,12 @@ def test_metrics_endpoint_counts_what_the_daemon_does(
     assert failed['skilltrain_set_failures_total{kind="failed"}'] == 1
     assert failed['skilltrain_sets{state="failed"}'] == 1
     assert failed["skilltrain_llm_request_seconds_count"] == 2
+    # Per attempt at the provider (the failure-ratio alert): the retried 500 and
+    # the reply in one call, then the 400 it gives up on.
+    assert after['skilltrain_llm_attempts_total{outcome="ok"}'] == 1
+    assert after['skilltrain_llm_attempts_total{outcome="error"}'] == 1
+    assert failed['skilltrain_llm_attempts_total{outcome="ok"}'] == 1
+    assert failed['skilltrain_llm_attempts_total{outcome="error"}'] == 2
     assert failed["skilltrain_reports_total"] == 1
     # Stopped daemon, closed endpoint.
     with pytest.raises(OSError):
