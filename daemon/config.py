@@ -78,7 +78,8 @@ class OptimizerConfig(_Section):
     command: list[str] = Field(default_factory=list)
     timeout_s: float = Field(3600.0, gt=0)
     max_attempts: int = Field(3, ge=1)
-    retry_backoff_s: float = Field(60.0, ge=0)
+    # Unset: [loss] retry_backoff_s, as before this key existed.
+    retry_backoff_s: float | None = Field(None, ge=0)
 
 
 class WriterConfig(_Section):

@@ -55,6 +55,12 @@ class Steps:
         """The loop's writer is still writing this step: its sets are not scored yet."""
         return self.loop.writing(step)
 
+    @property
+    def _backoff_s(self) -> float:
+        """Before the next attempt of a failed optimizer run."""
+        own = self.cfg.optimizer.retry_backoff_s
+        return self.cfg.loss.retry_backoff_s if own is None else own
+
     def optimized(self, step: layout.StepKey) -> bool:
         rec = self.state.steps.get(step.id)
         return bool(rec and rec.optimizer_done)
@@ -243,7 +249,7 @@ class Steps:
                     rec.optimizer_exit_code = result.exit_code
                     rec.optimizer_done = result.exit_code == 0
                     if not rec.optimizer_done:
-                        rec.optimizer_next_at = self.clock() + self.cfg.optimizer.retry_backoff_s
+                        rec.optimizer_next_at = self.clock() + self._backoff_s
             self._write_marker(step)
             if result.exit_code != 0:
                 self.failures += 1

@@ -217,8 +217,8 @@ class Workspace:
                 "max_retries": 0,
                 "backoff_initial_s": 0.01,
             },
-            "loss": {"settle_seconds": 0, "concurrency": 2, "retry_backoff_s": 0},
-            "watch": {"resync_seconds": 300},
+            "loss": {"settle_s": 0, "concurrency": 2, "retry_backoff_s": 0},
+            "watch": {"resync_s": 300},
             "optimizer": {"command": [], "timeout_s": 20, "max_attempts": 3},
             "log": {"file": str(self.log_file), "level": "info"},
         }
@@ -808,8 +808,11 @@ def test_failing_optimizer_is_retried_per_scan_up_to_max_attempts_and_blocks_not
     ws: Workspace,
 ) -> None:
     gate = ws.root / "gate"
+    # The optimizer's own backoff: the loss step's (an hour here) is not its.
     ws.write_config(
-        optimizer={"command": ws.recorder_command(exit_code=3, gate=str(gate)), "max_attempts": 3}
+        optimizer={"command": ws.recorder_command(exit_code=3, gate=str(gate)), "max_attempts": 3,
+                   "retry_backoff_s": 0},
+        loss={"retry_backoff_s": 3600},
     )
     ws.scripts("r1", 1, 1, "a", range(1, 4))
     ws.load()
@@ -920,7 +923,7 @@ def test_set_stale_level_matches_the_catalogue(ws: Workspace) -> None:
 
 
 def test_log_lines_follow_a_renamed_log_file(ws: Workspace) -> None:
-    ws.write_config(loss={"settle_seconds": 30})  # _SUCCESS makes them ready at once
+    ws.write_config(loss={"settle_s": 30})  # _SUCCESS makes them ready at once
     ws.load()
     rotated = ws.log_file.with_name("skilltrain.jsonl.1")
     with daemon_forever(ws.cfg or ws.load()):

@@ -26,6 +26,7 @@ from tests.daemon_helpers import (
     InProcessDaemon,
     Workspace,
     build_workspace,
+    read_events,
     run_cli,
     stays,
     wait_until,
@@ -387,7 +388,11 @@ def test_loop_config_errors_name_the_key_and_exit_2(tmp_path: Path) -> None:
     result, _ = run_cli("daemon", "--config", str(ws.config_path))
     assert result.returncode == 2
     assert "[writer] command = []: [loop] is configured" in result.stderr
-    assert sorted(tmp_path.rglob("*")) == before  # found by the preflight: no lock, log, state
+    # Found by the preflight: no lock, no state, runs/ untouched; only the line
+    # saying why is added to a log file whose folder exists.
+    assert sorted(p for p in tmp_path.rglob("*") if p != ws.log_file) == before
+    (failed,) = read_events(ws.log_file, "daemon.failed")
+    assert read_events(ws.log_file) == [failed]
 
     bad = build_workspace(tmp_path / "b", "http://127.0.0.1:9/v1",
                           extra="[loop]\nstop_belw = 0.1\n")
