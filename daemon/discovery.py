@@ -90,7 +90,7 @@ class Discovery:
 
     def expected_works(self, run: str) -> list[dataset.Work]:
         """All works in data/, or the subset runs/<run>/run.toml lists."""
-        run_toml = self.runs / run / "run.toml"
+        run_toml = self.runs / run / layout.RUN_TOML
         if not run_toml.exists():
             return list(self.works.values())
         try:

@@ -24,6 +24,10 @@ SUCCESS_MARKER = "_SUCCESS"
 LOSS_DIR = "loss"
 STATE_DIR = ".skilltrain"
 STEP_MARKERS = ".steps"  # in runs/<run>/loss/
+LOOP_RECORD = "loop.json"  # in runs/<run>/loss/.steps/
+RUN_TOML = "run.toml"  # in runs/<run>/: the works a run is scored on
+START, PAUSE, RETRY = "START", "PAUSE", "RETRY"  # in runs/<run>/: the user's control files
+STEP_MARKER_NAME = re.compile(r"epoch_(\d+)-step_(\d+)\.json")
 
 
 @dataclass(frozen=True, order=True)
@@ -44,6 +48,26 @@ class StepKey:
 
     def reports_dir(self, runs: Path) -> Path:
         return runs / self.run / LOSS_DIR / f"epoch_{self.epoch:02d}" / f"step_{self.step:02d}"
+
+    def marker(self, runs: Path) -> Path:
+        """The step's marker: reported, optimizer ran (beside the reports folders,
+        not in them: the optimizer reads those)."""
+        return markers_dir(runs, self.run) / f"epoch_{self.epoch:02d}-step_{self.step:02d}.json"
+
+
+def markers_dir(runs: Path, run: str) -> Path:
+    """runs/<run>/loss/.steps/: the step markers and the loop's record."""
+    return runs / run / LOSS_DIR / STEP_MARKERS
+
+
+def loop_record(runs: Path, run: str) -> Path:
+    """A looped run's durable record (daemon/run_record.py)."""
+    return markers_dir(runs, run) / LOOP_RECORD
+
+
+def control_file(runs: Path, run: str, name: str) -> Path:
+    """runs/<run>/START, PAUSE or RETRY."""
+    return runs / run / name
 
 
 @dataclass(frozen=True, order=True)

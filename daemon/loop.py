@@ -190,7 +190,7 @@ class Loop:
 
     def _start_trigger(self, run: str) -> str | None:
         run_dir = self.runs / run
-        if (run_dir / START).is_file():
+        if layout.control_file(self.runs, run, START).is_file():
             return "start"
         try:
             empty = not any(run_dir.iterdir())
@@ -289,7 +289,7 @@ class Loop:
     def _maybe_write(self, run: str, rec: RunRecord) -> None:
         if self.stopping.is_set():
             return
-        if (self.runs / run / PAUSE).exists():
+        if layout.control_file(self.runs, run, PAUSE).exists():
             if run not in self._held:
                 self._held.add(run)
                 self.emit("run.paused", run=run, epoch=rec.epoch, step=rec.step)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -31,7 +30,6 @@ from typing import Any, TextIO
 from . import layout
 from .errors import ConfigError
 
-_MARKER_RE = re.compile(r"epoch_(\d+)-step_(\d+)\.json")
 PLOT_SUFFIXES = (".svg", ".png")
 
 
@@ -61,7 +59,7 @@ class StepRow:
 
 def reported_steps(runs: Path, run: str) -> list[tuple[int, int]]:
     """(epoch, step) of every reported step of the run, in order."""
-    markers = runs / run / layout.LOSS_DIR / layout.STEP_MARKERS
+    markers = layout.markers_dir(runs, run)
     return [at for at, name in _marked_steps(markers) if _is_reported(markers / name)]
 
 
@@ -72,14 +70,14 @@ def _marked_steps(markers: Path) -> list[tuple[tuple[int, int], str]]:
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     return sorted(((int(m.group(1)), int(m.group(2))), name)
-                  for name in names if (m := _MARKER_RE.fullmatch(name)))
+                  for name in names if (m := layout.STEP_MARKER_NAME.fullmatch(name)))
 
 
 def _previous_reported(runs: Path, step: layout.StepKey) -> tuple[int, int] | None:
     """The last reported step before `step`: markers read newest first, up to the
     first reported one (reading all of them for every step.reported was quadratic
     in a run's steps: 20,000 reads for 200 steps at a cold start)."""
-    markers = runs / step.run / layout.LOSS_DIR / layout.STEP_MARKERS
+    markers = layout.markers_dir(runs, step.run)
     for at, name in reversed(_marked_steps(markers)):
         if at < (step.epoch, step.step) and _is_reported(markers / name):
             return at
@@ -93,8 +91,7 @@ def _is_reported(marker: Path) -> bool:
 
 def read_step_marker(runs: Path, step: layout.StepKey) -> dict[str, Any]:
     """The step's marker ({} when it has none): `reported_at`, `optimizer_done`, ..."""
-    name = f"epoch_{step.epoch:02d}-step_{step.step:02d}.json"
-    return _read_json(runs / step.run / layout.LOSS_DIR / layout.STEP_MARKERS / name) or {}
+    return _read_json(step.marker(runs)) or {}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -27,8 +27,7 @@ from typing import Any
 from . import atomic, config, layout
 from .errors import ConfigError
 
-RECORD = "loop.json"  # in runs/<run>/loss/.steps/
-START, PAUSE, RETRY = "START", "PAUSE", "RETRY"  # in runs/<run>/
+START, PAUSE, RETRY = layout.START, layout.PAUSE, layout.RETRY
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -56,7 +55,7 @@ class RunRecord:
 
 
 def record_path(runs: Path, run: str) -> Path:
-    return runs / run / layout.LOSS_DIR / layout.STEP_MARKERS / RECORD
+    return layout.loop_record(runs, run)
 
 
 def read(runs: Path, run: str) -> RunRecord | None:
@@ -88,22 +87,15 @@ def describe(rec: RunRecord) -> str:
 def status_rows(runs: Path) -> list[dict[str, Any]]:
     """One row per looped run, for `skilltrain status`."""
     rows = []
-    for run in sorted(p.name for p in _run_dirs(runs)):
+    for run in (p.name for p in layout.run_dirs(runs)):  # never a symlinked run folder
         rec = read(runs, run)
         if rec is None:
             continue
+        paused = layout.control_file(runs, run, PAUSE).exists()
         rows.append({"run": run, "phase": rec.phase.value, "epoch": rec.epoch,
                      "step": rec.step, "finished": rec.finished, "stalled": rec.stalled,
-                     "paused": (runs / run / PAUSE).exists(), "describe": describe(rec),
-                     "updated_at": rec.updated_at})
+                     "paused": paused, "describe": describe(rec), "updated_at": rec.updated_at})
     return rows
-
-
-def _run_dirs(runs: Path) -> list[Path]:
-    try:
-        return [p for p in runs.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    except OSError:
-        return []
 
 
 def start_main(config_path: Path | None, run: str, out: Any = sys.stdout) -> int:
@@ -131,7 +123,7 @@ def start_main(config_path: Path | None, run: str, out: Any = sys.stdout) -> int
               file=out)
         return 1
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / START).touch()
+    layout.control_file(runs, run, START).touch()
     print(f"{run}: requested; the daemon starts the writer for epoch 0 step 0", file=out)
     return 0
 

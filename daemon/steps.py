@@ -187,8 +187,7 @@ class Steps:
 
     def _marker(self, step: layout.StepKey) -> Path:
         # Beside the reports folders, not in them: the optimizer reads those.
-        return (self.runs / step.run / layout.LOSS_DIR / layout.STEP_MARKERS
-                / f"epoch_{step.epoch:02d}-step_{step.step:02d}.json")
+        return step.marker(self.runs)
 
     def _write_marker(self, step: layout.StepKey) -> None:
         with self.state.lock:

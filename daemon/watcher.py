@@ -45,6 +45,8 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 from watchdog.observers.polling import PollingObserver
 
+from . import layout
+
 SYSCTL = "fs.inotify.max_user_watches"
 
 # watchdog warns when a new folder's watch is added twice (a folder created
@@ -163,11 +165,9 @@ class Watcher:
     def _plan(self) -> set[tuple[Path, bool]]:
         """(folder, recursive) for every place where a set can still appear or change."""
         plan = {(self.runs, False)}
-        for run in _subfolders(self.runs):
-            if run.name.startswith("."):
-                continue  # the daemon's own state and log
+        for run in layout.run_dirs(self.runs):  # not the daemon's own state and log
             plan.add((run, False))
-            plan.update((e, False) for e in _subfolders(run) if e.name.startswith("epoch_"))
+            plan.update((e, False) for e in layout.subdirs(run) if e.name.startswith("epoch_"))
         plan.update((step, True) for step in list(self._open_steps) if step.is_dir())
         return plan
 
@@ -306,10 +306,3 @@ def _folders_below(root: Path) -> list[str]:
             continue
     return found
 
-
-def _subfolders(folder: Path) -> list[Path]:
-    try:
-        with os.scandir(folder) as entries:
-            return [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []
