@@ -25,7 +25,7 @@ rules, checked when the optimizer of a step has finished: `stop_below` (the
 step's craft distance at or under it), `patience` (that many steps without
 a better distance than the best so far), `[llm] budget_usd` (the run's spend;
 also checked while scoring, where the budget holds the loss jobs), and
-`max_epochs`. The craft distance is progress.run_rows', the same numbers
+`max_epochs`. The craft distance is curve.run_rows', the same numbers
 `skilltrain progress` shows.
 
 The user steers with files in runs/<run>/: START (what `skilltrain start`
@@ -44,7 +44,7 @@ from typing import Any
 
 from ..handlers import writer
 from ..handlers.optimizer import OptimizerResult
-from . import config, discovery, layout, log, progress
+from . import config, curve, discovery, layout, log
 from .run_record import PAUSE, RETRY, START, Phase, RunRecord
 from .run_record import read as read_record
 from .run_record import write as write_record
@@ -214,7 +214,7 @@ class Loop:
             self._maybe_write(run, rec)
             return False
         step = layout.StepKey(run, rec.epoch, rec.step)
-        marker = progress.read_step_marker(self.runs, step)
+        marker = curve.read_step_marker(self.runs, step)
         if rec.phase == Phase.SCORING:
             if marker.get("reported_at") is not None:
                 rec.phase = Phase.OPTIMIZING
@@ -235,7 +235,7 @@ class Loop:
 
     def _after_step(self, run: str, rec: RunRecord) -> bool:
         """The optimizer learned from (E,S): finish by a stop rule, or record the next step."""
-        rows = [r for r in progress.run_rows(self.runs, run) if (r.epoch, r.step) <= rec.step_key]
+        rows = [r for r in curve.run_rows(self.runs, run) if (r.epoch, r.step) <= rec.step_key]
         epoch, step = rec.epoch, rec.step + 1
         if step >= self.loop_cfg.steps_per_epoch:
             epoch, step = epoch + 1, 0
@@ -251,8 +251,8 @@ class Loop:
         return True
 
     def _finish(self, run: str, rec: RunRecord, reason: str,
-                rows: list[progress.StepRow] | None = None) -> bool:
-        rows = progress.run_rows(self.runs, run) if rows is None else rows
+                rows: list[curve.StepRow] | None = None) -> bool:
+        rows = curve.run_rows(self.runs, run) if rows is None else rows
         known = [r.craft_distance for r in rows if r.craft_distance is not None]
         rec.phase, rec.finished = Phase.FINISHED, reason
         self._save(run, rec)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..handlers import optimizer
-from . import atomic, config, layout, log, progress
+from . import atomic, config, curve, layout, log
 from .errors import ConfigError
 from .loop import Loop
 from .state import SetState, StateStore, StepRecord
@@ -99,7 +99,7 @@ class Steps:
                                      if rec.generation else {})
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
-                      **again, **progress.step_fields(self.runs, step))
+                      **again, **curve.step_fields(self.runs, step))
         if first_time or no_command:
             self.loop.notice(step)
         if due:
@@ -166,7 +166,7 @@ class Steps:
             return self._from_marker(step)
         if step.id not in self._compared:
             self._compared.add(step.id)
-            if _marker_is_newer(progress.read_step_marker(self.runs, step), rec):
+            if _marker_is_newer(curve.read_step_marker(self.runs, step), rec):
                 return self._from_marker(step) or rec
         return rec
 

@@ -192,12 +192,12 @@ def test_tail_shows_the_claims_of_each_report_and_the_share_of_each_step() -> No
 
 
 def test_progress_pools_the_steps_checked_claims() -> None:
-    from skilltrain.daemon import progress
+    from skilltrain.daemon import curve
 
     sidecars = [{"claims": {"status": "checked", "confirmed": 3, "contradicted": 1}},
                 {"claims": {"status": "checked", "confirmed": 4, "contradicted": 0}},
                 {"claims": {"status": "not_checked", "confirmed": 0, "contradicted": 0}},
                 {"craft_distance": 0.2}]  # a sidecar of a daemon from before claims
-    row = progress.summarize("r1", 0, 0, sidecars, None)
+    row = curve.summarize("r1", 0, 0, sidecars, None)
     assert row.claims_contradicted_share == 0.125 and row.claims_unchecked == 1
-    assert progress.summarize("r1", 0, 1, [{}], None).claims_contradicted_share is None
+    assert curve.summarize("r1", 0, 1, [{}], None).claims_contradicted_share is None
