@@ -1,4 +1,4 @@
 """`python -m skilltrain`: the same as the `skilltrain` command."""
-from .daemon.cli import main
+from .daemon.commands.cli import main
 
 main()

@@ -29,9 +29,10 @@ from pathlib import Path
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from skilltrain.daemon import craft_claims, craft_distance, craft_report, dataset  # noqa: E402
-from skilltrain.daemon.config import LLMConfig  # noqa: E402
-from skilltrain.daemon.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon.core import dataset
+from skilltrain.daemon.core.config import LLMConfig  # noqa: E402
+from skilltrain.daemon.core.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon.reviewer import craft_claims, craft_distance, craft_report  # noqa: E402
 from skilltrain.handlers import loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,10 +38,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests/: the loopback server and the workspace builders
 
-from skilltrain.daemon import dataset  # noqa: E402
-from skilltrain.daemon.config import IntegrityConfig  # noqa: E402
-from skilltrain.daemon.observe import FileSig, sigs_digest  # noqa: E402
-from skilltrain.daemon.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon.core import dataset  # noqa: E402
+from skilltrain.daemon.core.config import IntegrityConfig  # noqa: E402
+from skilltrain.daemon.core.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon.service.observe import FileSig, sigs_digest  # noqa: E402
 from tests.daemon_helpers import (  # noqa: E402
     LOG_NAME,
     LOOPBACK_MODEL,
@@ -543,7 +543,7 @@ def _children_maxrss_mb() -> float:
 
 # ---------------------------------------------------------------------------- latency
 
-POLL_INTERVAL_S = 1.0  # skilltrain.daemon.watcher's polling interval
+POLL_INTERVAL_S = 1.0  # skilltrain.daemon.service.watcher's polling interval
 
 
 @dataclass

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from skilltrain.daemon import audit, leakguard, leakguard_index, textnorm
-from skilltrain.daemon.leakguard import HumanIndex, find_leaks
+from skilltrain.daemon.core import textnorm
+from skilltrain.daemon.guard import audit, leakguard, leakguard_index
+from skilltrain.daemon.guard.leakguard import HumanIndex, find_leaks
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -22,8 +22,8 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-from skilltrain.daemon import observe
-from skilltrain.daemon.layout import SetKey
+from skilltrain.daemon.core.layout import SetKey
+from skilltrain.daemon.service import observe
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -40,9 +40,10 @@ sys.path.insert(0, str(REPO))  # tests.llm_server: stdlib only, lives outside th
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("OPENAI_API_KEY", "sk-bench-loopback")
 
-from skilltrain.daemon import craft_distance, dataset  # noqa: E402
-from skilltrain.daemon.config import LLMConfig  # noqa: E402
-from skilltrain.daemon.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon.core import dataset  # noqa: E402
+from skilltrain.daemon.core.config import LLMConfig  # noqa: E402
+from skilltrain.daemon.core.templates import PromptTemplates  # noqa: E402
+from skilltrain.daemon.reviewer import craft_distance  # noqa: E402
 from skilltrain.handlers import loss  # noqa: E402
 from tests.llm_server import LLMServer  # noqa: E402
 

@@ -30,8 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skilltrain.daemon import atomic  # noqa: E402
-from skilltrain.daemon.state import SetState, StateStore  # noqa: E402
+from skilltrain.daemon.core import atomic  # noqa: E402
+from skilltrain.daemon.infra.state import SetState, StateStore  # noqa: E402
 
 BATCH = 100
 HEX = "0123456789abcdef" * 4

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from skilltrain.daemon.state import SetState, StateStore  # noqa: E402
+from skilltrain.daemon.infra.state import SetState, StateStore  # noqa: E402
 
 HEX = "0123456789abcdef" * 4
 SETS_PER_RUN, SETS_PER_STEP = 2000, 10

@@ -21,24 +21,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..daemon import (
-    atomic,
-    craft_claims,
-    craft_distance,
-    craft_measuring,
-    craft_prompt,
-    dataset,
-    leakguard,
-    llm,
-)
-from ..daemon.config import LLMConfig
-from ..daemon.errors import (
+from ..daemon.core import atomic, dataset
+from ..daemon.core.config import LLMConfig
+from ..daemon.core.errors import (
     BadOutputError,
     ContradictedReportError,
     InputsChangedError,
     RefusedError,
 )
-from ..daemon.templates import PromptTemplates
+from ..daemon.core.templates import PromptTemplates
+from ..daemon.guard import leakguard
+from ..daemon.infra import llm
+from ..daemon.reviewer import craft_claims, craft_distance, craft_measuring, craft_prompt
 
 TEMPLATE = "loss"
 SIDECAR_SCHEMA = 1

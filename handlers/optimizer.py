@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from ..daemon.errors import ConfigError
+from ..daemon.core.errors import ConfigError
 
 PLACEHOLDERS = ("run", "epoch", "step", "reports_dir", "run_dir")
 Emit = Callable[..., None]  # emit(event_name, **fields)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..daemon import layout
+from ..daemon.core import layout
 from . import optimizer
 from .optimizer import Emit, OptimizerResult
 

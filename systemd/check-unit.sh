@@ -38,7 +38,7 @@ chmod 755 "$tmp/venv/bin/skilltrain"
 render() {
     # verify does not look users up, so the recommended "skilltrain" user need
     # not exist here. "nobody" would not do: verify warns about it.
-    if ! "$python" -m skilltrain.daemon.service_unit --workspace "$ws" --venv "$tmp/venv" "$@" \
+    if ! "$python" -m skilltrain.daemon.commands.service_unit --workspace "$ws" --venv "$tmp/venv" "$@" \
         >"$tmp/render.out" 2>&1; then
         cat "$tmp/render.out" >&2
         fail "rendering failed: install-service $*"

@@ -98,7 +98,7 @@ def start() -> Iterator[Callable[..., InProcessDaemon]]:
 @pytest.fixture(autouse=True)
 def _answer_keys_reset() -> Iterator[None]:
     """A daemon installs the answer keys process-wide; no test inherits another's."""
-    from skilltrain.daemon import leakguard
+    from skilltrain.daemon.guard import leakguard
 
     yield
     leakguard.install(None)
@@ -107,6 +107,6 @@ def _answer_keys_reset() -> Iterator[None]:
 @pytest.fixture
 def answer_keys() -> None:
     """Answer keys installed but empty: library log records are checked, not withheld."""
-    from skilltrain.daemon import leakguard
+    from skilltrain.daemon.guard import leakguard
 
     leakguard.install(leakguard.AnswerKeys(()))

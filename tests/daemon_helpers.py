@@ -258,7 +258,7 @@ class Workspace:
 
     def state(self) -> dict[str, Any]:
         """The state database as the old state.json had it: read-only, like status."""
-        from skilltrain.daemon import state_db
+        from skilltrain.daemon.core import state_db
 
         data = state_db.read_only(self.state_file)
         assert data is not None, f"no {self.state_file}"
@@ -599,7 +599,7 @@ class ConcurrencyProbe:
 
 def warm_litellm() -> None:
     """Pay litellm's import and tokenizer load once, outside any timed wait."""
-    from skilltrain.daemon import llm
+    from skilltrain.daemon.infra import llm
 
     llm.litellm()
     llm.count_tokens("openai/loopback-model", [{"role": "user", "content": "warm up"}])
@@ -618,7 +618,7 @@ def release_llm_clients() -> None:
 
     import openai
 
-    from skilltrain.daemon import llm
+    from skilltrain.daemon.infra import llm
 
     cache = getattr(llm.litellm(), "in_memory_llm_clients_cache", None)
     clients = getattr(cache, "cache_dict", None)
@@ -657,8 +657,9 @@ class InProcessDaemon:
     """A real Daemon: start(), run_forever() in a thread, stop + shutdown on exit."""
 
     def __init__(self, ws: Workspace, *, once: bool = False, loop: bool = True) -> None:
-        from skilltrain.daemon import config, log
-        from skilltrain.daemon.service import Daemon
+        from skilltrain.daemon.core import config
+        from skilltrain.daemon.infra import log
+        from skilltrain.daemon.service.lifecycle import Daemon
 
         self.ws = ws
         self.cfg = config.load(ws.config_path)

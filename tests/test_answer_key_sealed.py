@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import leakguard, textnorm
-from skilltrain.daemon.state import SetState, StateStore
+from skilltrain.daemon.core import textnorm
+from skilltrain.daemon.guard import leakguard
+from skilltrain.daemon.infra.state import SetState, StateStore
 from tests.corpus import adversarial
 from tests.daemon_helpers import (
     DaemonProcess,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon.errors import ExitCode
+from skilltrain.daemon.core.errors import ExitCode
 from tests.daemon_helpers import (
     SetId,
     Workspace,
@@ -43,7 +43,7 @@ def write_all_under_fsize_limit(
     code = textwrap.dedent(f"""
         import resource, signal, sys
         from pathlib import Path
-        from skilltrain.daemon import atomic
+        from skilltrain.daemon.core import atomic
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a core dump
         resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT}))
         folder = Path({str(folder)!r})

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import audit, leakguard
-from skilltrain.daemon.audit import Hit
+from skilltrain.daemon.guard import audit, leakguard
+from skilltrain.daemon.guard.audit import Hit
 
 HUMAN_EP3 = """\
 INT. LIGHTHOUSE - LAMP ROOM - NIGHT

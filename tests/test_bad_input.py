@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon.errors import ExitCode
+from skilltrain.daemon.core.errors import ExitCode
 from tests.daemon_helpers import (
     TEMPLATE,
     DaemonProcess,
@@ -434,7 +434,7 @@ def test_50mb_episode_is_refused_from_its_size_without_being_read(
     tmp_path: Path, llm_server: LLMServer
 ) -> None:
     """A model with a known window (gpt-4o-mini: 128,000 tokens, so 2,048,000 bytes)."""
-    from skilltrain.daemon import llm
+    from skilltrain.daemon.infra import llm
 
     model = "openai/gpt-4o-mini"
     ws = build_workspace(
@@ -512,7 +512,7 @@ def test_50mb_episode_is_refused_when_the_model_window_is_unknown(
             "unknown key [watch] obsever (did you mean 'observer'?)",
         ),
         ('[lgo]\nlevel = "info"\n', "unknown key lgo (did you mean 'log'?)"),
-        ("[llm]\ntimout = 5\n", "unknown key [llm] timout (did you mean 'timeout'?)"),
+        ("[llm]\ntimout = 5\n", "unknown key [llm] timout (did you mean 'timeout_s'?)"),
     ],
     ids=["loss", "watch", "section", "llm"],
 )

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import config
-from skilltrain.daemon.config import BUILTIN_MODEL, Config
-from skilltrain.daemon.errors import ConfigError, ExitCode
+from skilltrain.daemon.core import config
+from skilltrain.daemon.core.config import BUILTIN_MODEL, Config
+from skilltrain.daemon.core.errors import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parent.parent
 SKILLTRAIN = REPO / ".venv" / "bin" / "skilltrain"

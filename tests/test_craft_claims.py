@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import craft_claims, craft_distance, craft_report
-from skilltrain.daemon.craft_claims import check_report, read_claims
+from skilltrain.daemon.reviewer import craft_claims, craft_distance, craft_report
+from skilltrain.daemon.reviewer.craft_claims import check_report, read_claims
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "data" / "example"
 
@@ -157,7 +157,7 @@ CHECKED = {"claims_status": "checked", "claims_confirmed": 5, "claims_contradict
 def test_prometheus_counts_claims_by_verdict_and_unchecked_reports() -> None:
     from prometheus_client import generate_latest
 
-    from skilltrain.daemon.metrics import Metrics
+    from skilltrain.daemon.service.metrics import Metrics
 
     metrics = Metrics(lambda: {}, ["done"])
     metrics.observe("loss.completed", CHECKED)
@@ -175,7 +175,7 @@ def test_prometheus_counts_claims_by_verdict_and_unchecked_reports() -> None:
 
 
 def test_tail_shows_the_claims_of_each_report_and_the_share_of_each_step() -> None:
-    from skilltrain.daemon.tail_format import format_event
+    from skilltrain.daemon.commands.tail_format import format_event
 
     base = {"timestamp": "2026-05-04T09:12:03.120431Z", "level": "info", "run": "r1",
             "epoch": 0, "step": 0, "work": "example", "range": "01-03"}
@@ -192,7 +192,7 @@ def test_tail_shows_the_claims_of_each_report_and_the_share_of_each_step() -> No
 
 
 def test_progress_pools_the_steps_checked_claims() -> None:
-    from skilltrain.daemon import curve
+    from skilltrain.daemon.service import curve
 
     sidecars = [{"claims": {"status": "checked", "confirmed": 3, "contradicted": 1}},
                 {"claims": {"status": "checked", "confirmed": 4, "contradicted": 0}},

@@ -15,14 +15,14 @@ import pytest
 # Before litellm is imported anywhere: no cost-map download.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from skilltrain.daemon import (  # noqa: E402
+from skilltrain.daemon.core.errors import RefusedError  # noqa: E402
+from skilltrain.daemon.reviewer import (
     craft_measuring,
     craft_parsing,
     craft_prompt,
     craft_provider,
     craft_report,
 )
-from skilltrain.daemon.errors import RefusedError  # noqa: E402
 
 # Hand-counted: 51 words in all (CONT'D is one word, V.O. two), three scenes of
 # 19, 9 and 1 words (headings and cues excluded), four speeches.
@@ -496,7 +496,8 @@ def test_register_refuses_a_foreign_builtin_provider(litellm_module: Any) -> Non
 
 
 def test_importing_the_module_does_not_import_litellm() -> None:
-    code = "import sys, skilltrain.daemon.craft_provider; sys.exit('litellm' in sys.modules)"
+    code = ("import sys, skilltrain.daemon.reviewer.craft_provider; "
+            "sys.exit('litellm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

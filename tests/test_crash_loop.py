@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import dataset, state_db
-from skilltrain.daemon.templates import PromptTemplates
+from skilltrain.daemon.core import dataset, state_db
+from skilltrain.daemon.core.templates import PromptTemplates
 from tests.daemon_helpers import (
     TEMP_PREFIX,
     DaemonProcess,

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from watchdog.observers.api import BaseObserver
 
-from skilltrain.daemon import status
-from skilltrain.daemon.errors import ExitCode
+from skilltrain.daemon.commands import status
+from skilltrain.daemon.core.errors import ExitCode
 from tests.daemon_helpers import (
     WRITERS,
     ConcurrencyProbe,

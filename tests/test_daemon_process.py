@@ -346,5 +346,5 @@ def test_status_is_fast_never_imports_litellm_and_shows_failures(
     assert (data["runs"][0]["failed"], data["runs"][0]["unusable"]) == (1, 1)
 
     modules = [ln.split("|")[-1].strip() for ln in traced.stderr.splitlines() if "|" in ln]
-    assert traced.returncode == 0 and "skilltrain.daemon.status" in modules
+    assert traced.returncode == 0 and "skilltrain.daemon.commands.status" in modules
     assert not [m for m in modules if m.split(".")[0] in ("litellm", "openai", "tiktoken")]

@@ -31,9 +31,12 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import config, llm, service, status
-from skilltrain.daemon import log as slog
-from skilltrain.daemon.layout import StepKey
+from skilltrain.daemon.commands import status
+from skilltrain.daemon.core import config
+from skilltrain.daemon.core.layout import StepKey
+from skilltrain.daemon.infra import llm
+from skilltrain.daemon.infra import log as slog
+from skilltrain.daemon.service import lifecycle as service
 from tests.llm_server import LLMServer, Reply, Request
 
 REPO = Path(__file__).resolve().parent.parent

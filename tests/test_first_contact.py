@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon.errors import ConfigError, ExitCode
+from skilltrain.daemon.core.errors import ConfigError, ExitCode
 from tests.daemon_helpers import (
     SKILLTRAIN,
     InProcessDaemon,
@@ -276,7 +276,7 @@ def test_loss_with_an_impossible_range_is_exit_2_before_litellm(
     assert result.returncode == ExitCode.CONFIG == 2
     assert rule in result.stderr
     modules = [ln.split("|")[-1].strip() for ln in result.stderr.splitlines() if "|" in ln]
-    assert "skilltrain.daemon.cli" in modules
+    assert "skilltrain.daemon.commands.cli" in modules
     assert not [m for m in modules if m.split(".")[0] in ("litellm", "openai")]
     assert list(tmp_path.iterdir()) == []
     print(f"refused in {took:.2f}s")

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import layout
+from skilltrain.daemon.core import layout
 from tests.daemon_helpers import (
     InProcessDaemon,
     Workspace,
@@ -110,7 +110,7 @@ def test_only_one_full_scan_runs_at_a_time_and_none_is_lost(
 def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
     tmp_path: Path, llm_server: LLMServer, start: Start, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skilltrain.daemon import reconcile
+    from skilltrain.daemon.service import reconcile
 
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 6})
     slow, other = ws.sets_of_step("r1", 1, 1)
@@ -151,7 +151,7 @@ def test_a_later_look_never_postpones_an_earlier_pending_one(
 ) -> None:
     """An evaluation that ends in a settle wait (look again in 30 s) races the
     `_SUCCESS` event that asked for a look now: the earlier look must stay."""
-    from skilltrain.daemon import reconcile
+    from skilltrain.daemon.service import reconcile
 
     monkeypatch.setattr(reconcile, "HINT_DEBOUNCE_S", 3.0)  # room to race it by hand
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=30.0)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import config, dataset, leakguard
-from skilltrain.daemon.errors import RefusedError
-from skilltrain.daemon.templates import PromptTemplates
+from skilltrain.daemon.core import config, dataset
+from skilltrain.daemon.core.errors import RefusedError
+from skilltrain.daemon.core.templates import PromptTemplates
+from skilltrain.daemon.guard import leakguard
 from skilltrain.handlers import loss
 from tests.llm_server import LLMServer, Reply
 
@@ -47,7 +48,7 @@ def job(tmp_path: Path) -> loss.LossJob:
 
 
 def run(job: loss.LossJob, server: LLMServer, on_leak: str) -> loss.LossResult:
-    settings = config.LLMConfig(model="openai/loopback-model", api_base=server.url, timeout=10,
+    settings = config.LLMConfig(model="openai/loopback-model", api_base=server.url, timeout_s=10,
                                 max_retries=0)
     return loss.run(job, settings=settings, templates=PromptTemplates(REPO / "prompts"),
                     on_leak=on_leak, confine_to=job.report_path.parents[4])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import leakguard, leakguard_index, textnorm
-from skilltrain.daemon.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
+from skilltrain.daemon.core import textnorm
+from skilltrain.daemon.guard import leakguard, leakguard_index
+from skilltrain.daemon.guard.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
 
 # A human screenplay written for these tests (two episodes).
 HUMAN_EP1 = """\
@@ -555,7 +556,7 @@ def _live_data(tmp_path: Path) -> Path:
 
 
 def test_live_keys_follow_edits_added_works_and_same_size_rewrites(tmp_path: Path) -> None:
-    from skilltrain.daemon.leakguard_live import LiveAnswerKeys
+    from skilltrain.daemon.guard.leakguard_live import LiveAnswerKeys
 
     data = _live_data(tmp_path)
     now = [0.0]
@@ -603,7 +604,7 @@ def test_live_keys_follow_edits_added_works_and_same_size_rewrites(tmp_path: Pat
 
 def test_a_job_that_read_a_key_the_log_does_not_hold_makes_it_look_now(
         tmp_path: Path) -> None:
-    from skilltrain.daemon.leakguard_live import LiveAnswerKeys
+    from skilltrain.daemon.guard.leakguard_live import LiveAnswerKeys
 
     data = _live_data(tmp_path)
     live = LiveAnswerKeys(data, every_s=3600)

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon.errors import ExitCode
+from skilltrain.daemon.core.errors import ExitCode
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,

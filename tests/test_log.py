@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import log as slog
-from skilltrain.daemon.log import bound_job, configure, get_logger, scrub
+from skilltrain.daemon.infra import log as slog
+from skilltrain.daemon.infra.log import bound_job, configure, get_logger, scrub
 
 
 class FakeTTY(io.StringIO):
@@ -256,7 +256,7 @@ def test_every_secret_shape_is_scrubbed_inside_free_text(text: str, secret: str)
 def test_a_line_is_sealed_against_the_answer_keys_installed_when_it_is_written(
     log_file: Path,
 ) -> None:
-    from skilltrain.daemon import leakguard
+    from skilltrain.daemon.guard import leakguard
 
     passage = "Mara counts the crates twice and never writes the number down anywhere."
     configure(log_file=log_file, stderr=io.StringIO())

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import config
-from skilltrain.daemon.loop import stop_reason
+from skilltrain.daemon.core import config
+from skilltrain.daemon.service.loop import stop_reason
 from tests.daemon_helpers import (
     REPO,
     InProcessDaemon,

@@ -35,7 +35,7 @@ STEP_ID = f"{RUN}/epoch_00/step_00"
 
 def step_record(ws: Workspace) -> dict[str, Any]:
     """The step's row in the state database ({} when it has none), read as status reads it."""
-    from skilltrain.daemon import state_db
+    from skilltrain.daemon.core import state_db
 
     data = state_db.read_only(ws.state_file) or {}
     record = data.get("steps", {}).get(STEP_ID, {})

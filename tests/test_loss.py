@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import atomic, dataset, leakguard, llm
-from skilltrain.daemon.config import LLMConfig
-from skilltrain.daemon.errors import ConfigError, LLMError, RefusedError
-from skilltrain.daemon.templates import PromptTemplates
+from skilltrain.daemon.core import atomic, dataset
+from skilltrain.daemon.core.config import LLMConfig
+from skilltrain.daemon.core.errors import ConfigError, LLMError, RefusedError
+from skilltrain.daemon.core.templates import PromptTemplates
+from skilltrain.daemon.guard import leakguard
+from skilltrain.daemon.infra import llm
 from skilltrain.handlers import loss
 from tests.llm_server import LLMServer, Reply
 
@@ -130,7 +132,7 @@ def settings(llm_server: LLMServer, llm_model: str) -> SettingsFactory:
         values: dict[str, Any] = dict(
             model=llm_model,
             api_base=llm_server.url,
-            timeout=10.0,
+            timeout_s=10.0,
             max_retries=3,
             backoff_initial_s=0.01,
             backoff_max_s=5.0,
@@ -800,7 +802,7 @@ def test_request_hanging_past_the_timeout_is_abandoned_and_retried(
     llm_server.script(Reply.hang(30), Reply.ok(REPORT))
     t0 = time.monotonic()
 
-    result = run(job, settings(timeout=0.5))
+    result = run(job, settings(timeout_s=0.5))
 
     elapsed = time.monotonic() - t0
     assert llm_server.request_count == 2
@@ -1077,7 +1079,7 @@ def test_undefined_error_message_carries_no_human_text(tmp_path: Path, expressio
 
 
 def _prompt_and_model_block() -> tuple[str, str]:
-    from skilltrain.daemon import craft_prompt
+    from skilltrain.daemon.reviewer import craft_prompt
 
     human = dataset.read_range(EXAMPLE / "human", 1, 3, label="human")
     model = dataset.read_range(EXAMPLE / "model_draft", 1, 3, label="model")
@@ -1171,7 +1173,7 @@ def test_annotate_appends_the_measured_facts_and_the_sidecar_keeps_each_verdict(
 
 def test_refuse_writes_nothing_when_too_many_claims_are_contradicted(
         job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
-    from skilltrain.daemon.errors import BadOutputError, ContradictedReportError
+    from skilltrain.daemon.core.errors import BadOutputError, ContradictedReportError
 
     llm_server.script(Reply.ok(WRONG_CLAIMS))
     with pytest.raises(ContradictedReportError) as caught:

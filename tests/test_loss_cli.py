@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import atomic, cli
+from skilltrain.daemon.commands import cli
+from skilltrain.daemon.core import atomic
 from tests.llm_server import LLMServer, Reply
 
 # litellm's lazily imported modules (github_copilot's authenticator, the thinking
@@ -369,5 +370,5 @@ def test_help_does_not_import_litellm(argv: list[str]) -> None:
         for line in proc.stderr.splitlines()
         if line.startswith("import time:")
     ]
-    assert "skilltrain.daemon.cli" in imported  # the measurement itself works
+    assert "skilltrain.daemon.commands.cli" in imported  # the measurement itself works
     assert not [m for m in imported if m.split(".")[0] in ("litellm", "openai", "tiktoken")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon.notify import MAX_STATUS_CHARS, Heartbeat, Notifier, WatchdogPinger
+from skilltrain.daemon.core.notify import MAX_STATUS_CHARS, Heartbeat, Notifier, WatchdogPinger
 
 
 @pytest.fixture

@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 import yaml
 
-from skilltrain.daemon import config
-from skilltrain.daemon.service import Daemon
-from skilltrain.daemon.state import StateStore
+from skilltrain.daemon.core import config
+from skilltrain.daemon.infra.state import StateStore
+from skilltrain.daemon.service.lifecycle import Daemon
 from tests.daemon_helpers import (
     REPO,
     InProcessDaemon,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import craft_distance, craft_measuring, craft_parsing, tail_format
+from skilltrain.daemon.commands import tail_format
+from skilltrain.daemon.reviewer import craft_distance, craft_measuring, craft_parsing
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,
@@ -187,7 +188,7 @@ def test_a_step_closer_to_the_human_craft_has_a_smaller_distance(
     assert not (tmp_path / "x.pdf").exists()
     # matplotlib is the [plot] extra: without it --plot says how to get it.
     hidden = ["-c", "import sys; sys.modules['matplotlib'] = None; "
-              "from skilltrain.daemon.cli import main; main(sys.argv[1:])"]
+              "from skilltrain.daemon.commands.cli import main; main(sys.argv[1:])"]
     bare = subprocess.run([sys.executable, *hidden, "progress", "--plot", str(tmp_path / "y.svg"),
                            "--config", str(ws.config_path)], capture_output=True, text=True,
                           env=subprocess_env(), timeout=60)

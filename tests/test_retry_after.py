@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from skilltrain.daemon import llm
-from skilltrain.daemon.config import LLMConfig
+from skilltrain.daemon.core.config import LLMConfig
+from skilltrain.daemon.infra import llm
 from tests.conftest import LOOPBACK_MODEL
 from tests.llm_server import DEFAULT_REPORT, LLMServer, Reply
 
@@ -23,7 +23,7 @@ BACKOFF_MAX_S = 60.0
 
 def settings(server: LLMServer) -> LLMConfig:
     # Backoff alone waits at most 0.01 s: anything longer came from the server.
-    return LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout=10.0, max_retries=2,
+    return LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout_s=10.0, max_retries=2,
                      backoff_initial_s=0.01, backoff_max_s=BACKOFF_MAX_S)
 
 

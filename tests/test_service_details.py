@@ -92,7 +92,7 @@ def test_temp_files_a_crash_left_in_loss_are_removed_after_ready_and_live_ones_k
 ) -> None:
     # The loss folders hold a folder per step: their cleanup runs after ready,
     # and must not take a temp file of a write this daemon has in flight.
-    from skilltrain.daemon.atomic import TEMP_PREFIX
+    from skilltrain.daemon.core.atomic import TEMP_PREFIX
 
     ws = workspace(tmp_path, llm_server.url)
     reports = ws.report(S).parent

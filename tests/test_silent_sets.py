@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import status, status_render
+from skilltrain.daemon.commands import status, status_render
 from tests.daemon_helpers import (
     InProcessDaemon,
     SetId,

@@ -56,7 +56,7 @@ def test_ready_comes_before_a_long_scan_which_feeds_the_watchdog_and_says_how_fa
     tmp_path: Path, llm_server: LLMServer, listener: tuple[socket.socket, str],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from skilltrain.daemon import reconcile
+    from skilltrain.daemon.service import reconcile
 
     ws, sets = reported_tree(tmp_path, llm_server)
     requests = llm_server.request_count
@@ -112,7 +112,8 @@ def test_ready_comes_before_a_long_scan_which_feeds_the_watchdog_and_says_how_fa
 
 SLOW_DAEMON = """
 import sys, time
-from skilltrain.daemon import cli, reconcile
+from skilltrain.daemon.commands import cli
+from skilltrain.daemon.service import reconcile
 real = reconcile.observe
 def slow(*args, **kwargs):
     time.sleep(float(sys.argv[1]))

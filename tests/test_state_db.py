@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import state_db, status
-from skilltrain.daemon.state import SetState, StateStore
+from skilltrain.daemon.commands import status
+from skilltrain.daemon.core import state_db
+from skilltrain.daemon.infra.state import SetState, StateStore
 from tests.daemon_helpers import (
     DaemonProcess,
     SetId,
@@ -203,7 +204,7 @@ def _row(store: StateStore, set_id: str) -> dict[str, object]:
 def test_a_notice_naming_answer_key_words_is_stored_redacted(tmp_path: Path) -> None:
     # A notice's reason names folders and files, which the writer named: it is
     # checked against every work before it reaches the state, like a log line.
-    from skilltrain.daemon import leakguard
+    from skilltrain.daemon.guard import leakguard
 
     line = "Nobody ever crosses the salt marsh after the lantern goes dark"
     index = leakguard.HumanIndex.build("w", {1: f"MARA\n{line}.\n"})

@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import layout, run_record
-from skilltrain.daemon.lock import RunsLock
-from skilltrain.daemon.state import BUDGET_REASON, SetState, StateStore
-from skilltrain.daemon.status import ATTENTION_SHOWN
+from skilltrain.daemon.commands.status import ATTENTION_SHOWN
+from skilltrain.daemon.core import layout
+from skilltrain.daemon.core.lock import RunsLock
+from skilltrain.daemon.infra.state import BUDGET_REASON, SetState, StateStore
+from skilltrain.daemon.service import run_record
 
 from .daemon_helpers import run_cli
 

@@ -2,10 +2,14 @@
 
 - Every import inside the package is relative and names a file that exists
   at the path it names, from the importing file (no install needed to follow it).
-- The daemon's parts import only downward: service -> reconcile -> jobs ->
-  steps -> loop, and the watcher none of them (upward needs are callbacks).
+- Folders are layers: daemon/core <- guard <- reviewer <- infra <- handlers/
+  <- daemon/service <- daemon/commands; a folder imports only from those
+  below it (the commands a person runs are the top, the foundation the bottom).
+- The service's parts import only downward: process -> lifecycle -> reconcile
+  -> jobs -> steps -> loop, and the watcher none of them.
 - One concept per module: no module over ~500 lines, no class over ~300.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,13 +20,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("daemon", "handlers")
-LAYERS = ["process", "service", "reconcile", "jobs", "steps", "loop"]  # top to bottom
+# Bottom to top: a folder may import from itself and the folders before it.
+FOLDERS = ["daemon/core", "daemon/guard", "daemon/reviewer", "daemon/infra", "handlers",
+           "daemon/service", "daemon/commands"]
+SERVICE = REPO / "daemon" / "service"
+LAYERS = ["process", "lifecycle", "reconcile", "jobs", "steps", "loop"]  # top to bottom
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 310
 
 
 def modules() -> list[Path]:
-    return sorted(p for package in PACKAGES for p in (REPO / package).glob("*.py"))
+    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py"))
 
 
 def imports(path: Path) -> Iterator[tuple[ast.ImportFrom | ast.Import, Path | None]]:
@@ -62,25 +70,55 @@ def test_every_import_of_our_code_is_relative_and_names_an_existing_file(path: P
     assert "from skilltrain" not in source and "import skilltrain" not in source
 
 
-def daemon_modules_imported(path: Path) -> set[str]:
-    """The daemon/ modules `path` imports: `from .jobs import X`, `from . import jobs`."""
-    found = set()
+def targets(path: Path) -> Iterator[Path]:
+    """The files of our code that `path` imports (`from . import a, b`: each module)."""
     for node, target in imports(path):
         if target is None or not isinstance(node, ast.ImportFrom):
             continue
-        if target == REPO / "daemon":
-            found |= {alias.name for alias in node.names}
-        elif target.parent == REPO / "daemon":
-            found.add(target.name)
-    return found
+        if target.with_suffix(".py").is_file():
+            yield target.with_suffix(".py")
+        else:
+            yield from (target / f"{alias.name}.py" for alias in node.names
+                        if (target / f"{alias.name}.py").is_file())
 
 
-def test_the_daemons_parts_import_only_downward() -> None:
+def folder_of(path: Path) -> str | None:
+    rel = path.parent.relative_to(REPO).as_posix()
+    return rel if rel in FOLDERS else None
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(REPO)))
+def test_a_folder_imports_only_from_the_folders_below_it(path: Path) -> None:
+    mine = folder_of(path)
+    if mine is None:
+        return  # daemon/__main__.py, the package faces
+    for target in targets(path):
+        theirs = folder_of(target)
+        assert theirs is not None, f"{target} is in no layer"
+        assert FOLDERS.index(theirs) <= FOLDERS.index(mine), (
+            f"{path.relative_to(REPO)} imports {target.relative_to(REPO)}, a layer above it")
+
+
+def test_every_module_is_in_a_layer() -> None:
+    loose = [p.relative_to(REPO) for p in modules()
+             if folder_of(p) is None and p.name not in ("__init__.py", "__main__.py")]
+    assert loose == []
+
+
+def test_the_services_parts_import_only_downward() -> None:
     for i, layer in enumerate(LAYERS):
-        above = set(LAYERS[:i])
-        named = daemon_modules_imported(REPO / "daemon" / f"{layer}.py")
+        above = {SERVICE / f"{name}.py" for name in LAYERS[:i]}
+        named = set(targets(SERVICE / f"{layer}.py"))
         assert not named & above, f"{layer}.py imports {sorted(named & above)}, above it"
-    assert not daemon_modules_imported(REPO / "daemon" / "watcher.py") & set(LAYERS)
+    assert not set(targets(SERVICE / "watcher.py")) & {SERVICE / f"{n}.py" for n in LAYERS}
+
+
+def test_the_package_faces_define_nothing() -> None:
+    # `from . import a, b` then always names modules, and a reader finds each by path.
+    for init in [*REPO.glob("daemon/**/__init__.py"), REPO / "handlers" / "__init__.py"]:
+        body = ast.parse(init.read_text(encoding="utf-8")).body
+        docstring = body[:1] if body and isinstance(body[0], ast.Expr) else []
+        assert body == docstring, init
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(REPO)))

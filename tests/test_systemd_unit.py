@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon import unit_render
-from skilltrain.daemon.config import DaemonConfig
-from skilltrain.daemon.errors import ConfigError, ExitCode
-from skilltrain.daemon.service_unit import main
-from skilltrain.daemon.unit_render import render_logrotate, render_unit
+from skilltrain.daemon.commands import unit_render
+from skilltrain.daemon.commands.service_unit import main
+from skilltrain.daemon.commands.unit_render import render_logrotate, render_unit
+from skilltrain.daemon.core.config import DaemonConfig
+from skilltrain.daemon.core.errors import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK_SCRIPT = REPO / "systemd" / "check-unit.sh"
@@ -196,7 +196,7 @@ def test_no_secrets_in_the_unit(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "skilltrain.daemon.service_unit",
+            "skilltrain.daemon.commands.service_unit",
             "--workspace",
             str(ws),
             "--venv",

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon import log as slog
-from skilltrain.daemon.tail import TALLY_EVERY, main
+from skilltrain.daemon.commands.tail import TALLY_EVERY, main
+from skilltrain.daemon.infra import log as slog
 
 CTX: dict[str, Any] = {"run": "r7", "epoch": 1, "step": 2}
 
@@ -549,10 +549,10 @@ def test_follow_reads_what_the_real_logger_writes_across_rotation(
 
 def test_tail_does_not_import_litellm() -> None:
     code = (
-        "import sys, skilltrain.daemon.tail\n"
+        "import sys, skilltrain.daemon.commands.tail\n"
         "assert 'litellm' not in sys.modules, 'tail imported litellm'\n"
         "assert 'structlog' not in sys.modules, 'tail imported structlog'\n"
-        "import skilltrain.daemon.log\n"
+        "import skilltrain.daemon.infra.log\n"
         "assert 'litellm' not in sys.modules, 'log imported litellm'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

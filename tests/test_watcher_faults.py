@@ -197,7 +197,7 @@ def fallback_run(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FallbackRun]:
     """A daemon whose inotify watch limit is below the folder count of runs/."""
-    from skilltrain.daemon.watcher import count_folders
+    from skilltrain.daemon.service.watcher import count_folders
 
     limit = int(request.param)
     server = LLMServer().start()
@@ -396,7 +396,7 @@ def test_a_hint_that_raises_is_a_warning_and_a_rescan_not_a_dead_watcher(
 ) -> None:
     """A handler exception would kill watchdog's dispatch thread, and its event
     is lost: the watcher says so at warning and asks for a full scan."""
-    from skilltrain.daemon.watcher import Watcher
+    from skilltrain.daemon.service.watcher import Watcher
 
     reports: list[tuple[str, dict[str, Any]]] = []
     rescans: list[float] = []

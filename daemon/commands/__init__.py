@@ -1,0 +1,1 @@
+"""The commands a person runs: the CLI, status, tail, progress, loss, install-service."""

@@ -1,0 +1,309 @@
+"""Answer-key integrity: find the passages of a text that reproduce the human screenplay.
+
+An LLM asked to compare two screenplays readily quotes the original, and the
+optimizer would copy those quotes into the writer's skill, where the next
+closed-book writer reads them. So every report and prompt archive is checked
+against the human text of its whole work (every episode, not only the range
+it reviews: the writer has no more right to episode 6 than to episode 2)
+before it is written; every log line, error reason and state entry is
+checked against every work (`AnswerKeys`); and `skilltrain audit` checks
+every file under runs/ against every work.
+
+How: both texts become normalised words (textnorm: case, punctuation,
+accents, typography, HTML entities, escapes, URL encoding, zero-width and
+format characters, look-alike letters do not matter), and every run of n
+consecutive words (a shingle) of the checked text is looked up in hashed
+sets of the human shingles. Two rules start a leak:
+
+1. LONG_RUN_WORDS (8) consecutive words of the human text, whatever the
+   words (LONG_MIN_CONTENT_WORDS = 0). A voice-over line of common words
+   ("What in the world is wrong with her? She had a walk this morning.") is
+   as much the answer key as a distinctive one. The windows read are the
+   lines (dialogue and action), any one line whole whatever its kind (a
+   nine-word scene heading of rare names, a long parenthetical: issue 25)
+   and, for a quoted exchange that keeps its cue names, windows of the full
+   text of which at least half are lines. A run across a heading and the
+   cue after it is the story's (a closed-book writer of the same story names
+   the same places and people: data/example's independent draft shares a
+   7-word heading and the cue after it with its human script); stock
+   headings are short ("INT. KITCHEN - NIGHT").
+2. SHINGLE_WORDS (7) words with at least MIN_CONTENT_WORDS (2) that are not
+   stock: a distinctive 7-word line is a quote too.
+
+Windows that touch or overlap a started run extend it (a stock stretch inside
+a quote goes with the quote), so a long quotation is removed whole; the span
+is mapped back to the exact characters of the original text (escapes and
+zero-width characters inside it included) so that it can be redacted. Text
+that also occurs in the model's own episodes (`allow_text`) is not a leak: a
+report may quote the model it judges. Runs inside STOCK_LINES (lines every
+screenwriter writes) start nothing.
+
+Why these numbers (bench/leakguard_bench.py; bench/RESULTS.md "Issue 11"):
+on the corpus of tests/corpus (a real screenplay as key, 82 lines of 8+ words
+in 26 disguises) rule 2 alone catches 90.2%, rules 1+2 100%; false-positive
+spans on independent real screenplays (Brick & Steel), on data/example's
+independent draft and on reports that do not quote are 0 with either. A
+stock line of 8+ words that the key itself holds is a leak by rule 1 (the
+issue's definition: the words occur in the human text); a report may still
+say it when the model's episodes say it too (`allow_text`), and the 28
+STOCK_LINES below start nothing. Requiring one word that is not stock
+(LONG_MIN_CONTENT_WORDS = 1) would let through a line made only of common
+words ("I don't know what you want me to say to you"): a hole in rule 1
+for no gain measured on real text. At 7 words, length alone does not separate
+cliches ("What the hell are you doing here?" is 7), a content word does.
+
+The index holds only hashes, never human text. Python's str hash is salted
+per process, so an index is only meaningful in the process that built it:
+it is cached in memory by content hash and never persisted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..core import textnorm
+from ..core.textnorm import Reading
+from .leakguard_index import (
+    LONG_MIN_CONTENT_WORDS,
+    LONG_RUN_WORDS,
+    MIN_CONTENT_WORDS,
+    SHINGLE_WORDS,
+    STOCK_LINES,
+    HumanIndex,
+    index_for,
+    shingle_hashes,
+    tokens,
+)
+
+REDACTION_MARKER = "[verbatim answer-key passage removed]"
+
+# The index (leakguard_index.py) is re-exported: callers know one module, the guard.
+__all__ = [
+    "LONG_MIN_CONTENT_WORDS", "LONG_RUN_WORDS", "MIN_CONTENT_WORDS", "REDACTION_MARKER",
+    "SHINGLE_WORDS", "STOCK_LINES", "AnswerKeys", "HumanIndex", "KeySource", "Leak",
+    "find_leaks", "index_for", "install", "installed", "keep_current", "redact",
+    "shingle_hashes", "tokens",
+]
+
+
+@dataclass(frozen=True)
+class Leak:
+    """A span of the checked text that reproduces the human text.
+
+    start/end are character offsets into the checked text; line is 1-based;
+    n_words counts the normalised words in the span.
+    """
+
+    start: int
+    end: int
+    episode: int
+    n_words: int
+    line: int
+
+
+@dataclass(frozen=True)
+class _Allowed:
+    """Shingles of the model's own text: quoting them is not a leak."""
+
+    short: frozenset[int] = frozenset()
+    long: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, text: str, index: HumanIndex) -> _Allowed:
+        if not text:
+            return cls()
+        toks = tokens(text)
+        return cls(frozenset(shingle_hashes(toks, index.n)),
+                   frozenset(shingle_hashes(toks, index.long_n)))
+
+
+def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "",
+               views: Sequence[Reading] | None = None) -> list[Leak]:
+    """Every span of `text` that reproduces the indexed human text, in order.
+
+    Spans that also occur in `allow_text` (the model's own episodes) are not
+    leaks: a report may quote the model it is judging. `views`:
+    textnorm.readings(text), when the caller has them already.
+    """
+    if views is None:
+        views = textnorm.readings(text)
+    return _find(text, views, index, lambda: _Allowed.of(allow_text, index))
+
+
+def _find(text: str, views: Sequence[Reading], index: HumanIndex,
+          allow: Callable[[], _Allowed]) -> list[Leak]:
+    """`allow` builds the allowed shingles; called only on a hit (the model's
+    episodes are the bulk of a prompt, and most texts hit nothing)."""
+    spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
+    allowed: _Allowed | None = None
+    for k, view in enumerate(views):
+        hashes = shingle_hashes(view.tokens, index.n)
+        if index.episode_of.keys().isdisjoint(hashes):
+            continue  # the common case: no offsets needed
+        allowed = allowed or allow()
+        found = _token_spans(view.tokens, hashes, index, allowed)
+        if not found:
+            continue
+        wanted = {i for first, last, _ in found for i in (first, last)}
+        if view.text is not text:  # escapes decoded or letters folded: map back
+            view = textnorm.readings(text, offsets=True)[k]
+        where = view.token_spans(wanted)
+        spans += [(where[first][0], where[last][1], episode, last - first + 1)
+                  for first, last, episode in found]
+    return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
+            for s, e, ep, w in _merge_spans(spans)]
+
+
+def _token_spans(toks: Sequence[str], hashes: Sequence[int], index: HumanIndex,
+                 allowed: _Allowed) -> list[tuple[int, int, int]]:
+    """(first token, last token, episode) of every leak, merged, in order."""
+    n, long_n = index.n, index.long_n
+    episode_of, seeds = index.episode_of, index.seeds
+    hits = [(i, h) for i, h in enumerate(hashes) if h in episode_of]
+    found: list[tuple[int, int, int]] = []
+    # Rule 2: a run of touching or overlapping hit windows with a distinctive one.
+    for run in _runs([(i, h) for i, h in hits if h not in allowed.short], n):
+        seed = next((h for _, h in run if h in seeds), None)
+        if seed is not None:  # else only stock phrases and furniture
+            found.append((run[0][0], run[-1][0] + n - 1, episode_of[seed]))
+    # Rule 1: long runs of the human text. Their first n words are a hit, so
+    # only hit positions are hashed again.
+    long_hits = []
+    for i, _ in hits:
+        if i + long_n <= len(toks):
+            long_hash = hash(tuple(toks[i : i + long_n]))
+            if long_hash in index.long_runs and long_hash not in allowed.long:
+                long_hits.append((i, long_hash))
+    for run in _runs(long_hits, long_n):
+        if any(h in index.long_seeds for _, h in run):  # else a stock line alone
+            first = run[0][0]
+            found.append((first, run[-1][0] + long_n - 1, episode_of[hashes[first]]))
+    return _merge_token_spans(found)
+
+
+def _merge_token_spans(found: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Spans that overlap or touch (no word between them) become one."""
+    merged: list[tuple[int, int, int]] = []
+    for first, last, episode in sorted(found):
+        if merged and first <= merged[-1][1] + 1:
+            prev = merged[-1]
+            merged[-1] = (prev[0], max(prev[1], last), prev[2])
+        else:
+            merged.append((first, last, episode))
+    return merged
+
+
+def _merge_spans(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Character spans found by several readings of one text, overlapping ones as one."""
+    merged: list[tuple[int, int, int, int]] = []
+    for start, end, episode, words in sorted(spans):
+        if merged and start < merged[-1][1]:
+            prev = merged[-1]
+            merged[-1] = (prev[0], max(prev[1], end), prev[2], max(prev[3], words))
+        else:
+            merged.append((start, end, episode, words))
+    return merged
+
+
+def _runs(hits: list[tuple[int, int]], n: int) -> Iterable[list[tuple[int, int]]]:
+    """Group hit windows whose tokens overlap or touch (window i covers i..i+n-1)."""
+    run: list[tuple[int, int]] = []
+    for hit in hits:
+        if run and hit[0] > run[-1][0] + n:
+            yield run
+            run = []
+        run.append(hit)
+    if run:
+        yield run
+
+
+def redact(text: str, leaks: Iterable[Leak], marker: str = REDACTION_MARKER) -> str:
+    """`text` with every leaked span replaced by `marker`.
+
+    Leaks found against several works (`AnswerKeys.leaks`) may overlap: the
+    cut then runs to the end of the longer one, under one marker.
+    """
+    parts: list[str] = []
+    pos = 0
+    for leak in sorted(leaks, key=lambda k: k.start):
+        if leak.start < pos:
+            pos = max(pos, leak.end)
+            continue
+        parts += [text[pos : leak.start], marker]
+        pos = leak.end
+    parts.append(text[pos:])
+    return "".join(parts)
+
+
+class AnswerKeys:
+    """Every work's index: the check for text that belongs to no one work.
+
+    Log lines, provider error messages and state reasons can carry text of
+    any work (a provider echoes the prompt it was sent), so they are checked
+    against all of them, with no allowed text.
+    """
+
+    def __init__(self, indexes: Iterable[HumanIndex]) -> None:
+        self.indexes = tuple(indexes)
+
+    def leaks(self, text: str) -> list[Leak]:
+        """Leaks of any work, in order; those of two works may overlap."""
+        if not self.indexes:
+            return []
+        views = textnorm.readings(text)
+        if all(len(v.tokens) < index.n for v in views for index in self.indexes):
+            return []  # a word or two: the common log field
+        found: list[Leak] = []
+        for index in self.indexes:
+            if any(index.may_match(v.tokens) for v in views):
+                found += _find(text, views, index, _Allowed)
+        return sorted(found, key=lambda k: k.start)
+
+    def clean(self, text: str, marker: str = REDACTION_MARKER) -> str:
+        """`text` with the passages of every work redacted."""
+        leaks = self.leaks(text)
+        return redact(text, leaks, marker) if leaks else text
+
+
+class KeySource(Protocol):
+    """Answer keys that follow data/ (leakguard_live.LiveAnswerKeys)."""
+
+    def current(self) -> AnswerKeys: ...
+    def holds(self, index: HumanIndex) -> bool: ...
+    def check(self) -> bool: ...
+
+
+_installed: AnswerKeys | KeySource | None = None
+_installed_lock = threading.Lock()
+
+
+def install(keys: AnswerKeys | KeySource | None) -> None:
+    """Make `keys` the process's answer keys (the daemon, once works are loaded).
+
+    Logging (log._seal_answer_key), provider error messages (llm) and state
+    reasons are checked against them. None: no keys (library log records are
+    then withheld whole). A KeySource is asked each time, so that a key
+    edited or added while the daemon runs is guarded without a restart.
+    """
+    global _installed
+    with _installed_lock:
+        _installed = keys
+
+
+def installed() -> AnswerKeys | None:
+    """The answer keys installed in this process, None before `install`."""
+    source = _installed
+    if source is None or isinstance(source, AnswerKeys):
+        return source
+    return source.current()
+
+
+def keep_current(index: HumanIndex) -> None:
+    """A job has read this work's key: the installed keys must hold it now, not
+    at their next look (a provider error about this job may echo it)."""
+    source = _installed
+    if source is not None and not isinstance(source, AnswerKeys) and not source.holds(index):
+        source.check()

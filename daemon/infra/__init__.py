@@ -1,0 +1,1 @@
+"""What the service and the handlers run on: the LLM call, the sealed log, the state store."""

@@ -1,0 +1,426 @@
+"""Every LLM call goes through here: litellm, with one retry policy.
+
+PITFALLS: the OpenAI SDK under litellm retries on its own (3 attempts) and
+litellm's `num_retries` adds more on top, with no wait. Both are switched
+off (`max_retries=0`, `num_retries=0`) and tenacity owns the policy:
+exponential backoff with full jitter (tenacity's `wait_random_exponential`)
+on 429/5xx/timeouts/connection errors, at least as long as the server asks
+(Retry-After in seconds or as an HTTP date, or retry-after-ms, read by the
+OpenAI SDK's own parser), no retry on auth or bad-request errors.
+
+`[llm] timeout_s` bounds each attempt as a whole: the HTTP client's timeout
+is per read, and a server sending a byte every few seconds never trips it.
+The call runs in a helper thread that is abandoned at the deadline (it ends
+when the server does; its reply, if any, is dropped).
+
+litellm costs ~5 s to import, so it is imported on first use only; `status`,
+`tail`, `audit` and `--help` never pay for it.
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import tenacity
+
+from ..core import textnorm
+from ..core.config import BUILTIN_MODEL, LLMConfig
+from ..core.errors import ConfigError, LLMError
+from ..guard import leakguard
+
+Message = dict[str, Any]
+BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"
+RetryHook = Callable[[int, float, BaseException], None]
+
+_import_lock = threading.Lock()
+_litellm: ModuleType | None = None
+
+
+def litellm() -> ModuleType:
+    """Import and configure litellm once: offline cost map, no banners."""
+    global _litellm
+    with _import_lock:
+        if _litellm is None:
+            # Must be set before the import: otherwise litellm fetches its cost
+            # map from the internet at import time.
+            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+            import litellm as module
+
+            module.suppress_debug_info = True  # no "Give Feedback" banner on stdout
+            module.telemetry = False
+            from . import log
+
+            log.adopt_library_loggers()  # litellm's own stdout handlers: route through ours
+            from ..reviewer import craft_provider
+
+            craft_provider.register()
+            _litellm = module
+    return _litellm
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str | None
+    tokens_in: int
+    tokens_out: int
+    tokens_cached: int
+    cost_usd: float | None
+    attempts: int
+    # Prompt tokens written to the provider's cache (Anthropic's
+    # cache_creation_input_tokens): billed above the input price.
+    tokens_cache_write: int = 0
+
+
+class RetryableError(Exception):
+    """A transient failure: worth another attempt after a wait."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def warm_up(model: str) -> None:
+    """Import litellm and load the tokenizer now, off the first job's clock."""
+    count_tokens(model, [{"role": "user", "content": "warm up"}])
+
+
+def count_tokens(model: str, messages: Sequence[Message]) -> int:
+    return int(litellm().token_counter(model=model, messages=list(messages)))
+
+
+def max_input_tokens(model: str) -> int | None:
+    """The model's input window, or None when litellm does not know the model."""
+    try:
+        info = litellm().get_model_info(model)
+    except Exception:
+        return None
+    value = info.get("max_input_tokens") or info.get("max_tokens")
+    return int(value) if value else None
+
+
+# Providers whose prompt caching needs explicit cache_control markers; the
+# others (OpenAI, DeepSeek, ...) cache a repeated prefix by themselves, and
+# an OpenAI-compatible local server may not accept content parts at all.
+EXPLICIT_CACHE_PROVIDERS = frozenset({"anthropic", "bedrock", "vertex_ai", "vertex_ai_beta"})
+
+
+def wants_cache_markers(model: str) -> bool:
+    """Should the stable prompt prefix be sent as a cache_control content part?"""
+    lm = litellm()
+    from litellm.utils import supports_prompt_caching
+
+    try:
+        provider = lm.get_llm_provider(model)[1]
+        return provider in EXPLICIT_CACHE_PROVIDERS and bool(supports_prompt_caching(model=model))
+    except Exception:
+        return False  # unknown model: plain text is always accepted
+
+
+def complete(messages: Sequence[Message], settings: LLMConfig, *,
+             on_retry: RetryHook | None = None,
+             sleep: Callable[[float], None] = time.sleep) -> Completion:
+    """One chat completion with the retry policy; raises LLMError when it gives up.
+
+    `sleep` is how the policy waits: the daemon passes one that returns early
+    (raising) on shutdown; tests pass a recorder.
+    """
+    attempts = 0
+    backoff = tenacity.wait_random_exponential(multiplier=settings.backoff_initial_s,
+                                               max=settings.backoff_max_s)
+
+    def attempt() -> Any:
+        nonlocal attempts
+        attempts += 1
+        response = _call(messages, settings)
+        choices = getattr(response, "choices", None)
+        if not choices or getattr(choices[0], "message", None) is None:
+            # A 200 with `choices: []`: no reply at all, as transient as a 5xx.
+            raise RetryableError("malformed reply: the response has no choices")
+        return response
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        delay = backoff(state)  # full jitter: spreads a burst of 429s apart
+        if isinstance(exc, RetryableError) and exc.retry_after_s is not None:
+            delay = max(delay, min(exc.retry_after_s, settings.backoff_max_s))
+        return delay
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if on_retry is not None and state.outcome is not None and state.next_action:
+            error = state.outcome.exception()
+            assert error is not None
+            on_retry(state.attempt_number, state.next_action.sleep, error)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(RetryableError),
+        stop=tenacity.stop_after_attempt(settings.max_retries + 1),
+        wait=wait,
+        sleep=sleep,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        response = retrying(attempt)
+    except RetryableError as e:
+        raise LLMError(f"gave up after {attempts} attempts: {e}", e.retry_after_s) from None
+    return _completion(response, settings.model, attempts)
+
+
+def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
+    lm = litellm()
+    if settings.model.startswith(BUILTIN_PREFIX):
+        # Other code may have replaced litellm.custom_provider_map since.
+        from ..reviewer import craft_provider
+
+        craft_provider.register()
+    kwargs = _request_kwargs(messages, settings)
+    where = settings.api_base
+
+    def describe(error: BaseException) -> str:
+        # Only on error: the prompt's text is joined for the echo check then.
+        return _describe(error, _prompt_text(messages), where)
+
+    try:
+        return _within(settings.timeout_s, lambda: lm.completion(**kwargs))
+    except WholeRequestTimeout:
+        raise RetryableError(f"no complete reply within {settings.timeout_s:g}s "
+                             "([llm] timeout_s bounds the whole request)") from None
+    except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
+            lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
+        raise RetryableError(describe(e), _retry_after(e)) from None
+    except lm.APIError as e:
+        # Any other provider-side 5xx we do not know by name is transient too.
+        if (getattr(e, "status_code", 0) or 0) >= 500:
+            raise RetryableError(describe(e), _retry_after(e)) from None
+        raise LLMError(describe(e)) from None
+    except (lm.AuthenticationError, lm.BadRequestError) as e:
+        raise LLMError(describe(e)) from None
+    except Exception as e:
+        if type(e).__module__.startswith(("litellm", "openai", "httpx")):
+            raise LLMError(describe(e)) from None
+        raise
+
+
+def _request_kwargs(messages: Sequence[Message], settings: LLMConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "messages": list(messages),
+        "timeout": settings.timeout_s,
+        "max_retries": 0,  # the OpenAI SDK's own retries: off, ours rule
+        "num_retries": 0,  # litellm's retries: off
+    }
+    if settings.api_base:
+        kwargs["api_base"] = settings.api_base
+    if settings.max_output_tokens:
+        kwargs["max_tokens"] = settings.max_output_tokens
+    if settings.temperature is not None:
+        kwargs["temperature"] = settings.temperature
+    if settings.api_base and missing_credentials(settings.model, settings.api_base):
+        # A local OpenAI-compatible server needs no key, but the SDK refuses
+        # to start without one.
+        kwargs["api_key"] = LOCAL_SERVER_KEY
+    return kwargs
+
+
+# A provider message sharing this many words in a row with the prompt echoes it.
+ECHO_WORDS = 6
+MESSAGE_CHARS = 200
+WITHHELD = "(message withheld: it quotes the prompt)"
+LOCAL_SERVER_KEY = "no-key-needed"  # sent to an api_base server when no key is set
+
+
+class WholeRequestTimeout(Exception):
+    """The attempt did not finish within [llm] timeout_s."""
+
+
+def _within(timeout_s: float, call: Callable[[], Any]) -> Any:
+    """`call()`'s result, or WholeRequestTimeout when it takes longer than `timeout_s`.
+
+    The call runs in a daemon thread with this thread's context (so its log
+    lines keep the job's fields); at the deadline it is abandoned, not killed.
+    """
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            outcome["value"] = context.run(call)
+        except BaseException as e:  # handed to the caller's thread below
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="llm-request", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise WholeRequestTimeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def missing_credentials(model: str, api_base: str | None = None) -> list[str]:
+    """The environment variables holding an API key that `model` needs and lacks.
+
+    litellm's validate_environment also lists base-URL variables (ollama's
+    OLLAMA_API_BASE has a working default): only keys and tokens count here.
+    """
+    if model.startswith(BUILTIN_PREFIX):
+        return []
+    try:
+        report = litellm().validate_environment(model=model, api_base=api_base)
+    except Exception:
+        return []  # a provider litellm cannot check: the first call will say
+    missing = report.get("missing_keys") or []
+    return [str(k) for k in missing if "KEY" in str(k) or "TOKEN" in str(k)]
+
+
+def check_credentials(settings: LLMConfig) -> None:
+    """A provider model without its API key is a configuration error, found at
+    start and not as five retried failures of the first job."""
+    if settings.api_base or settings.model.startswith(BUILTIN_PREFIX):
+        return  # an api_base server (vLLM, Ollama) may need no key: see _call
+    missing = missing_credentials(settings.model)
+    if missing:
+        names = " or ".join(missing)
+        raise ConfigError(f"[llm] model = {settings.model!r} needs the environment variable "
+                          f"{names}, which is not set (API keys come from the environment, "
+                          "never from config.toml)")
+
+
+def message_texts(messages: Sequence[Message]) -> list[str]:
+    """The text of every message and content part, in order."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return parts
+
+
+def _prompt_text(messages: Sequence[Message]) -> str:
+    return "\n".join(message_texts(messages))
+
+
+def _echoes(message: str, prompt: str) -> bool:
+    """Does `message` repeat ECHO_WORDS words of `prompt` in a row, in any disguise?
+
+    Compared as normalised words (leakguard's normalisation: case,
+    separators, escapes, zero-width characters and look-alikes do not
+    matter), not as substrings: an echo upper-cased, pipe-joined or
+    JSON-escaped is still an echo.
+    """
+    views = textnorm.readings(message) if prompt and message else []
+    said = {h for view in views for h in leakguard.shingle_hashes(view.tokens, ECHO_WORDS)}
+    if not said:
+        return False
+    # A prompt may be megabytes: only its runs of words the message uses are hashed.
+    words = {t for view in views for t in view.tokens}
+    toks = textnorm.tokens(prompt)
+    known = bytes(t in words for t in toks)
+    return any(not said.isdisjoint(leakguard.shingle_hashes(toks[m.start():m.end()], ECHO_WORDS))
+               for m in re.finditer(b"\x01{%d,}" % ECHO_WORDS, known))
+
+
+def _describe(error: BaseException, prompt: str = "", api_base: str | None = None) -> str:
+    """Class and status, and the provider's message if it quotes nothing.
+
+    The message is the provider's, not ours: it can echo the request (hence
+    the prompt, hence the human text) or a key. It is kept to one line and
+    MESSAGE_CHARS characters, and dropped whole when it shares ECHO_WORDS
+    words in a row with the prompt or holds a passage of any work's answer
+    key (leakguard.installed); log scrubbing removes anything shaped like a
+    key. What is left is checked again by the log and the state store.
+    """
+    status = getattr(error, "status_code", None)
+    message = " ".join(str(getattr(error, "message", "") or error).split())[:MESSAGE_CHARS]
+    keys = leakguard.installed()
+    if _echoes(message, prompt) or (keys is not None and keys.leaks(message)):
+        message = WITHHELD
+    kind = type(error).__name__
+    if getattr(error, "litellm_response_headers", "") is None and "Connection error" in message:
+        # litellm reports a refused or dropped connection as a 500 it never got.
+        where = f" at {api_base}" if api_base else ""
+        return f"connection to the LLM server{where} failed ({kind}): {message}"
+    return f"{kind} (HTTP {status}): {message}" if status else f"{kind}: {message}"
+
+
+def _retry_after(error: BaseException) -> float | None:
+    """Seconds the server asked us to wait, if it said.
+
+    retry-after-ms, then Retry-After as seconds or as an HTTP date: the
+    OpenAI SDK's parser (its method uses nothing of the client).
+    """
+    from openai._base_client import BaseClient
+
+    headers: Any = getattr(error, "litellm_response_headers", None)
+    response = getattr(error, "response", None)
+    if headers is None and response is not None:
+        headers = getattr(response, "headers", None)
+    if not headers:
+        return None
+    try:
+        lowered = {str(k).lower(): str(v) for k, v in dict(headers).items()}
+        seconds = BaseClient._parse_retry_after_header(None, lowered)  # type: ignore[arg-type]
+    except Exception:
+        return None
+    return None if seconds is None else max(0.0, float(seconds))
+
+
+def _completion(response: Any, model: str, attempts: int) -> Completion:
+    choice = response.choices[0]
+    usage = getattr(response, "usage", None)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) or 0
+    cached = cached or getattr(usage, "cache_read_input_tokens", 0) or 0
+    written = (getattr(details, "cache_write_tokens", None)
+               or getattr(usage, "cache_creation_input_tokens", 0) or 0)
+    return Completion(
+        text=choice.message.content or "",
+        finish_reason=_finish_reason(choice.finish_reason),
+        tokens_in=int(getattr(usage, "prompt_tokens", 0) or 0),
+        tokens_out=int(getattr(usage, "completion_tokens", 0) or 0),
+        tokens_cached=int(cached),
+        cost_usd=_cost(response, model),
+        attempts=attempts,
+        tokens_cache_write=int(written),
+    )
+
+
+_FINISH_REASON = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,39}")
+
+
+def _finish_reason(value: object) -> str | None:
+    """The provider's finish_reason if it looks like one; else only its size.
+
+    It ends up in an error reason (a cut-off report is refused with it), and a
+    provider may put anything there, the prompt included.
+    """
+    if value is None or (isinstance(value, str) and _FINISH_REASON.fullmatch(value)):
+        return value
+    return f"unrecognised ({len(str(value))} chars)"
+
+
+def _cost(response: Any, model: str) -> float | None:
+    if model == BUILTIN_MODEL:
+        return 0.0
+    hidden = getattr(response, "_hidden_params", None) or {}
+    if "response_cost" in hidden:
+        # litellm priced the reply already (None: an unmapped model); asking
+        # again costs ~0.3-0.5 ms of CPU per job.
+        cost = hidden["response_cost"]
+        return None if cost is None else float(cost)
+    try:
+        return float(litellm().completion_cost(completion_response=response))
+    except Exception:
+        return None  # unmapped model: unknown cost, not zero

@@ -1,0 +1,410 @@
+"""The structured log: structlog routed through stdlib logging, configured once.
+
+Every line is one JSON object (`timestamp` UTC ISO 8601, `level`, `event`, fields)
+in the log file and, when stderr is not a terminal, on stderr for journald. The
+log is the operator's interface and `skilltrain tail` parses it, so event names
+and fields are a stable API: see docs/events.md.
+
+Two things must never reach a line: API keys (scrubbed from every field, from
+exception text, and by value for the keys configured in the environment) and
+the human screenplay. For the screenplay, at every level, debug included:
+
+- tracebacks render without local variables, where a prompt would sit;
+- our own events never carry prompt or reply text, only sizes and hashes;
+- a record of a library (litellm, httpx, openai, ...) below INFO is reduced
+  to `library.withheld` with its logger, level, size and sha256: at debug
+  litellm logs whole requests and replies. So is every library record while
+  the process has no answer keys installed (the log is configured before the
+  daemon reads the works, and it cannot check what it cannot compare with);
+- the last step before a line is written checks every string of it (fields,
+  exception text, library messages) against the answer keys of every work
+  (`leakguard.install`, called by the daemon once it has read them) and
+  redacts what it finds, in any encoding textnorm decodes.
+
+Context bound with `bound_job` appears in every line logged inside it;
+worker threads do not inherit it, so a job binds its own.
+
+Cheap to import: structlog, the standard library and the leak guard only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import logging.handlers
+import sys
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+from ..core.dataset import format_range
+from ..core.log_scrub import scrub, scrub_secrets
+from ..guard import leakguard
+
+__all__ = [
+    "LEVELS",
+    "adopt_library_loggers",
+    "bound_job",
+    "configure",
+    "get_logger",
+    "scrub",
+    "scrub_secrets",
+    "shutdown",
+]
+
+LEVELS: Mapping[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+# Chatty at INFO (one line per HTTP request, per job run, per inotify event).
+NOISY_LOGGERS = (
+    "LiteLLM",
+    "LiteLLM Router",
+    "LiteLLM Proxy",
+    "httpx",
+    "httpcore",
+    "openai",
+    "apscheduler",
+    "watchdog",
+)
+
+_MAX_EXC_VALUE = 1000
+
+# Keys first in every JSON line, so `cat` and `grep` read naturally.
+_KEY_ORDER = ("timestamp", "level", "event", "run", "epoch", "step", "work", "range", "job_id")
+
+_handlers: list[logging.Handler] = []
+_structlog_ready = False
+
+
+def _cap_exception_text(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    """Cap `exc_value`: a provider's error may echo a long span of the prompt back."""
+    for stack in event_dict.get("exception") or ():
+        if isinstance(stack, dict) and isinstance(stack.get("exc_value"), str):
+            value = stack["exc_value"]
+            if len(value) > _MAX_EXC_VALUE:
+                cut = len(value) - _MAX_EXC_VALUE
+                stack["exc_value"] = f"{value[:_MAX_EXC_VALUE]}... [{cut} chars cut]"
+    return event_dict
+
+
+# ------------------------------------------------------------------ the answer key
+
+
+WITHHELD_EVENT = "library.withheld"
+_OWN_LOGGERS = ("skilltrain",)
+
+
+def _withhold_library_records(_logger: WrappedLogger, _name: str,
+                              event_dict: EventDict) -> EventDict:
+    """A library's record below INFO, or before the answer keys are known: its size and hash.
+
+    Runs first in the formatters, where `_record` is still there. litellm at
+    debug logs every request (the prompt, hence the human text) and reply.
+    """
+    record = event_dict.get("_record")
+    if event_dict.get("_from_structlog") or not isinstance(record, logging.LogRecord):
+        return event_dict
+    if record.name.startswith(_OWN_LOGGERS):
+        return event_dict
+    if record.levelno >= logging.INFO and leakguard.installed() is not None:
+        return event_dict  # checked by _seal_answer_key like every line
+    message = str(event_dict.get("event", ""))
+    kept = {key: event_dict[key] for key in ("timestamp", "_record", "_from_structlog")
+            if key in event_dict}
+    return {
+        **kept,
+        "event": WITHHELD_EVENT,
+        "level": record.levelname.lower(),
+        "logger": record.name,
+        "chars": len(message),
+        "sha256": hashlib.sha256(message.encode("utf-8", "surrogatepass")).hexdigest()[:16],
+        **({"exc_type": record.exc_info[0].__name__}
+           if record.exc_info and record.exc_info[0] is not None else {}),
+    }
+
+
+# Short strings repeat on every line (run, work, range, event and logger
+# names): their sealed text is kept, per set of answer keys.
+_SEALED_MAX_CHARS = 120
+_SEALED_MAX_ENTRIES = 4096
+_sealed: tuple[leakguard.AnswerKeys | None, dict[str, str]] = (None, {})
+
+
+def _seal_str(text: str, keys: leakguard.AnswerKeys) -> str:
+    global _sealed
+    if len(text) > _SEALED_MAX_CHARS:
+        return keys.clean(text)
+    owner, seen = _sealed
+    if owner is not keys or len(seen) >= _SEALED_MAX_ENTRIES:
+        seen = {}
+        _sealed = (keys, seen)
+    sealed = seen.get(text)
+    if sealed is None:
+        sealed = seen[text] = keys.clean(text)
+    return sealed
+
+
+def _seal(value: Any, keys: leakguard.AnswerKeys) -> Any:
+    if isinstance(value, str):
+        return _seal_str(value, keys)
+    if isinstance(value, Mapping):
+        return {key: _seal(item, keys) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_seal(item, keys) for item in value]
+    return value
+
+
+def _seal_answer_key(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    """Last before rendering: every string of the line checked against every work."""
+    keys = leakguard.installed()
+    if keys is None or not keys.indexes:
+        return event_dict
+    sealed: EventDict = _seal(event_dict, keys)
+    return sealed
+
+
+def _order_keys(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    first = {key: event_dict.pop(key) for key in _KEY_ORDER if key in event_dict}
+    first.update(event_dict)
+    return first
+
+
+# ------------------------------------------------------------------------ configuration
+
+
+def _shared_processors() -> list[Processor]:
+    """Run for structlog and for foreign (stdlib) records alike."""
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+
+
+def _configure_structlog() -> None:
+    global _structlog_ready
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *_shared_processors(),
+            structlog.processors.StackInfoRenderer(),
+            # Also here, not only in our formatters: any other handler on the root
+            # logger (pytest's capture, a library's) sees this dict as record.msg.
+            scrub_secrets,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        # Not cached: a module-level logger used before configure() would keep
+        # structlog's defaults forever.
+        cache_logger_on_first_use=False,
+    )
+    _structlog_ready = True
+
+
+def _json_formatter() -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_shared_processors(),
+        processors=[
+            _withhold_library_records,
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            # Locals off: a frame's locals would carry the prompt and the API key.
+            structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
+            scrub_secrets,
+            _cap_exception_text,  # after scrubbing: a cut must not split a key in two
+            _seal_answer_key,  # last: it sees exactly the text that is written
+            _order_keys,
+            structlog.processors.JSONRenderer(ensure_ascii=False),
+        ],
+    )
+
+
+def _console_formatter() -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_shared_processors(),
+        processors=[
+            _withhold_library_records,
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            # Render the traceback to text here (stdlib format: no locals) so the
+            # scrubber sees it before ConsoleRenderer prints it.
+            structlog.processors.format_exc_info,
+            scrub_secrets,
+            _seal_answer_key,
+            structlog.dev.ConsoleRenderer(colors=True),
+        ],
+    )
+
+
+class _RenderOnce(logging.Formatter):
+    """One formatter for both sinks when both write JSON: a record is rendered
+    (scrubbed, sealed against the answer keys) once, and the second handler
+    writes the same text. The handlers of one logging call run one after the
+    other in the calling thread, so the record itself carries the text."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        done = record.__dict__.get("_skilltrain_rendered")
+        if done is not None and done[0] is self:
+            text: str = done[1]
+            return text
+        text = self._inner.format(record)
+        record.__dict__["_skilltrain_rendered"] = (self, text)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """As each handler's filter: the line is rendered before the handler
+        takes its lock, so threads logging at once do not queue behind one
+        another's rendering (the leak check of every field), only its write."""
+        with contextlib.suppress(Exception):  # emit renders again, and reports it
+            self.format(record)
+        return True
+
+
+def _wants_console(stderr: TextIO, stderr_format: str) -> bool:
+    if stderr_format == "auto":
+        isatty = getattr(stderr, "isatty", None)
+        return bool(isatty and isatty())
+    return stderr_format == "console"
+
+
+class _ResilientFileHandler(logging.handlers.WatchedFileHandler):
+    """WatchedFileHandler that survives its folder being deleted.
+
+    The default log file lives in runs/; if runs/ is deleted, the stock
+    handler's reopen raises FileNotFoundError out of every logging call (it
+    runs outside emit's error handling) and takes the daemon down with it.
+    This one recreates the folder, and a write that still fails is reported
+    by logging's handleError instead of raised into our code.
+    """
+
+    def _open(self) -> Any:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except Exception:
+            self.handleError(record)
+
+
+def configure(
+    *,
+    log_file: Path | None,
+    level: str = "info",
+    stderr: TextIO = sys.stderr,
+    stderr_format: Literal["auto", "json", "console"] = "auto",
+) -> None:
+    """Route every log line to `log_file` (JSON lines) and to `stderr`.
+
+    Safe to call again: the handlers of the previous call are closed and replaced.
+    JSON on stderr unless it is a terminal ("auto"); colours on a terminal.
+    """
+    if level.lower() not in LEVELS:
+        raise ValueError(f"log level {level!r}: allowed {', '.join(LEVELS)}")
+    if stderr_format not in ("auto", "json", "console"):
+        raise ValueError(f"stderr_format {stderr_format!r}: allowed auto, json, console")
+    numeric = LEVELS[level.lower()]
+    _configure_structlog()
+
+    shutdown()
+    root = logging.getLogger()
+    json_lines = _RenderOnce(_json_formatter())
+    console = logging.StreamHandler(stderr)
+    if _wants_console(stderr, stderr_format):
+        console.setFormatter(_console_formatter())
+    else:
+        console.setFormatter(json_lines)
+        console.addFilter(json_lines)
+    _handlers.append(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        # WatchedFileHandler reopens the path when logrotate renames the file.
+        # backslashreplace: a folder name that is not UTF-8 must not cost the line.
+        file_handler = _ResilientFileHandler(log_file, encoding="utf-8",
+                                             errors="backslashreplace")
+        file_handler.setFormatter(json_lines)
+        file_handler.addFilter(json_lines)
+        _handlers.append(file_handler)
+    for handler in _handlers:
+        root.addHandler(handler)
+    root.setLevel(numeric)
+
+    noisy_level = logging.NOTSET if numeric <= logging.DEBUG else logging.WARNING
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(noisy_level)
+    adopt_library_loggers()
+
+
+def shutdown() -> None:
+    """Flush, detach and close the handlers configure() installed."""
+    root = logging.getLogger()
+    for handler in _handlers:
+        root.removeHandler(handler)
+        handler.close()
+    _handlers.clear()
+
+
+def adopt_library_loggers() -> None:
+    """Strip the handlers litellm installs on its own loggers at import.
+
+    litellm writes its records itself (some to stdout) and also lets them reach
+    the root logger, so every line would appear twice, once unscrubbed. Call this
+    right after the lazy `import litellm`; configure() calls it too.
+    """
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
+        lib_logger = logging.getLogger(name)
+        for handler in list(lib_logger.handlers):
+            lib_logger.removeHandler(handler)
+        lib_logger.propagate = True
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    """A structlog logger writing through the handlers configure() installed."""
+    if not _structlog_ready:
+        _configure_structlog()
+    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
+    return logger
+
+
+# ----------------------------------------------------------------------------- context
+
+
+@contextlib.contextmanager
+def bound_job(**ctx: Any) -> Iterator[None]:
+    """Bind `ctx` (run, epoch, step, work, range, job_id, ...) for the block.
+
+    A `range` given as (first, last) is formatted as "01-03". The previous
+    values are restored on exit, also when the block raises.
+    """
+    span = ctx.get("range")
+    if isinstance(span, tuple) and len(span) == 2:
+        ctx["range"] = format_range(*span)
+    with structlog.contextvars.bound_contextvars(**ctx):
+        yield
+
+
+def report_task_failure(future: Future[Any]) -> None:
+    """A done-callback for pool tasks (loss jobs, optimizer runs) that raised:
+    in forever mode nobody asks their future, so the error is logged here."""
+    if future.cancelled():
+        return
+    error = future.exception()
+    if error is not None:
+        get_logger("skilltrain.daemon").error("daemon.task_failed", error=type(error).__name__,
+                                              exc_info=error)

@@ -1,0 +1,190 @@
+"""What runs/ holds: step folders, the sets each is expected to have, and the
+paths that cannot be used.
+
+    runs/<run>/epoch_EE/step_SS/<work>/   one set per episode range of <work>
+                                          (data/ lists the works, run.toml may narrow them)
+
+A path that cannot be used (a misnumbered folder, a symlink, an unknown work)
+is named once in the log, not at every scan, and kept in the state for
+`skilltrain status` while a whole scan still notices it.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ..core import config, dataset, layout
+from ..core.errors import RefusedError
+from ..guard import leakguard
+from ..infra.state import StateStore
+
+Emit = Callable[..., None]
+
+
+class Discovery:
+    """Step folders and their expected sets, read from the tree as it is now."""
+
+    def __init__(self, cfg: config.Config, state: StateStore, emit: Emit) -> None:
+        self.cfg = cfg
+        self.runs = cfg.paths.runs
+        self.state = state
+        self.emit = emit
+        self.works: dict[str, dataset.Work] = {}  # data/<work>/human/, read at start
+        self._named: set[str] = set()  # "<path>: <reason>" already logged
+        self._noticed_this_scan: set[str] = set()
+
+    def load_works(self) -> None:
+        """Read data/ once, at start."""
+        self.works = dataset.discover_works(self.cfg.paths.data)
+        if not self.works:
+            self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
+
+    # ------------------------------------------------------------------ a scan
+    def begin_scan(self) -> None:
+        self._noticed_this_scan = set()
+
+    def end_scan(self) -> None:
+        """A path under runs/ not noticed again by a whole scan is fixed (or gone)."""
+        runs = f"{self.runs}/"
+        noticed = self._noticed_this_scan
+        self.state.keep_notices(lambda path: path in noticed or not path.startswith(runs))
+
+    def steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
+        """Every step folder under runs/ with the sets it is expected to have."""
+        self._report_linked_folders(self.runs)
+        for run in layout.run_dirs(self.runs):
+            if self._quotes_the_key(run.name):
+                continue
+            works = self.expected_works(run.name)
+            self._report_linked_folders(run)
+            for epoch_dir in layout.subdirs(run):
+                epoch = layout.EPOCH_DIR.fullmatch(epoch_dir.name)
+                if epoch is None or epoch_dir.name != f"epoch_{int(epoch.group(1)):02d}":
+                    if epoch_dir.name != layout.LOSS_DIR:
+                        self.ignore(epoch_dir, _misnumbered(epoch_dir.name, "epoch"))
+                    continue
+                self._report_linked_folders(epoch_dir)
+                for step_dir in layout.subdirs(epoch_dir):
+                    step = layout.STEP_DIR.fullmatch(step_dir.name)
+                    if step is None or step_dir.name != f"step_{int(step.group(1)):02d}":
+                        self.ignore(step_dir, _misnumbered(step_dir.name, "step"))
+                        continue
+                    step_key = layout.StepKey(run.name, int(epoch.group(1)), int(step.group(1)))
+                    yield step_key, list(self.sets_of_step(step_key, works))
+
+    def sets_of_step(self, step: layout.StepKey,
+                     works: list[dataset.Work] | None = None) -> Iterator[layout.SetKey]:
+        if self._quotes_the_key(step.run):
+            return
+        step_dir = step.step_dir(self.runs)
+        works = works if works is not None else self.expected_works(step.run)
+        for name in layout.subdir_names(step_dir):
+            if name not in self.works:
+                self.ignore(step_dir / name, "unknown work (no data/<work>/human/)")
+            elif all(work.name != name for work in works):
+                self.ignore(step_dir / name, f"work not listed in {step.run}/run.toml")
+        for work in works:
+            for first, last in work.ranges(self.cfg.loss.episodes_per_report):
+                yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
+
+    def expected_works(self, run: str) -> list[dataset.Work]:
+        """All works in data/, or the subset runs/<run>/run.toml lists."""
+        run_toml = self.runs / run / layout.RUN_TOML
+        if not run_toml.exists():
+            return list(self.works.values())
+        try:
+            names = tomllib.loads(run_toml.read_text(encoding="utf-8")).get("works")
+        except (OSError, ValueError) as e:
+            self.ignore(run_toml, f"unreadable run.toml ({type(e).__name__}); using all works")
+            return list(self.works.values())
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            # A list or table in it would be unhashable below: a crash at start.
+            self.ignore(run_toml, "works must be a list of work names; using all works")
+            return list(self.works.values())
+        for name in names:
+            if name not in self.works:
+                self.ignore(run_toml, f"lists unknown work {name!r}")
+        return [self.works[n] for n in names if n in self.works]
+
+    # ---------------------------------------------------------- unusable paths
+    def _quotes_the_key(self, run: str) -> bool:
+        if not quotes_the_key(run):
+            return False
+        self.ignore(self.runs / run, "the folder name quotes the answer key; not scored "
+                    "(rename the run)", event="set.unusable")
+        return True
+
+    def ignore(self, path: Path, reason: str, event: str = "set.ignored") -> bool:
+        """Log a path we cannot use once, not at every scan. True when logged now."""
+        # For status, while it lasts (under the key the state keeps it by).
+        self._noticed_this_scan.add(self.state.notice(str(path), event, reason))
+        if f"{path}: {reason}" in self._named:
+            return False
+        self._named.add(f"{path}: {reason}")
+        self.emit(event, level="warning", path=str(path), reason=reason)
+        return True
+
+    def _report_linked_folders(self, parent: Path) -> None:
+        """Run, epoch and step folders that are symlinks are not followed (work
+        and scripts/ folders: see observe); each is named once, with why."""
+        for name in _symlinked_subdirs(parent):
+            link = parent / name
+            try:
+                dataset.confine(str(link), self.runs, answer_key=self.cfg.paths.data)
+                reason = "a symlinked folder; not followed (copy or move it into runs/)"
+            except (RefusedError, OSError) as e:
+                reason = str(e) if isinstance(e, RefusedError) else f"unreadable link ({e})"
+            self.ignore(link, reason, event="set.unusable")
+
+    def check_human_ranges(self) -> None:
+        """A range with a hole in the answer key can never be reported: say so at start."""
+        for work in self.works.values():
+            present = set(work.human_episodes())
+            for first, last in work.ranges(self.cfg.loss.episodes_per_report):
+                missing = [n for n in range(first, last + 1) if n not in present]
+                if missing:
+                    names = ", ".join(dataset.episode_name(n) for n in missing)
+                    self.ignore(work.human_dir, f"range {dataset.format_range(first, last)} "
+                                f"can never be reported: human {names} missing",
+                                event="work.range_incomplete")
+
+
+def quotes_the_key(run: str) -> bool:
+    """A run folder named with a line of the answer key is not scored (nor
+    looped): its name would be in every report path, state row and log line."""
+    keys = leakguard.installed()
+    return keys is not None and bool(keys.leaks(run))
+
+
+def usable_runs(runs: Path) -> list[str]:
+    """The runs every part works on: real folders (layout.run_dirs) whose name
+    does not quote the answer key."""
+    return [run.name for run in layout.run_dirs(runs) if not quotes_the_key(run.name)]
+
+
+def _entries(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        entries = os.scandir(path)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    with entries:
+        return list(entries)
+
+
+def _symlinked_subdirs(path: Path) -> list[str]:
+    """Names of the symlinks in `path` that lead to a folder (or nowhere)."""
+    return sorted(e.name for e in _entries(path)
+                  if e.is_symlink() and not e.name.startswith(".")
+                  and (e.is_dir() or not os.path.exists(e.path)))
+
+
+def _misnumbered(name: str, kind: str) -> str:
+    """Why a folder is not an epoch/step folder, with the name that would be."""
+    match = (layout.EPOCH_DIR if kind == "epoch" else layout.STEP_DIR).fullmatch(name)
+    article = "an" if kind == "epoch" else "a"
+    if match is None:
+        return f"not {article} {kind}_NN folder"
+    return (f"not {article} {kind}_NN folder: numbers have two or more digits, zero-padded "
+            f"(expected {kind}_{int(match.group(1)):02d})")

@@ -1,0 +1,433 @@
+"""`skilltrain daemon`: the service's life: start, ready, run, shutdown, signals.
+
+    watcher (watchdog events) ──> reconcile (scan, evaluate a set; discovery, settle)
+                                      │ submit
+                                      v
+                                  jobs (bounded queue, retries, budget) ──> handlers/loss
+                                      │ a set done
+                                      v
+                                  steps (barrier, markers, optimizer) ──> loop (next writer)
+
+Data flows one way, down this picture; a lower part that must make an upper
+one look again (a job ends, a retry falls due) gets a callback, never an
+import. This module builds the parts, starts them in order, runs the main
+thread's loop (health, state flush, systemd status) and shuts them down
+within `[daemon] shutdown_timeout_s`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from ...handlers import loss, optimizer, writer
+from ..core import atomic, config, layout, notify
+from ..core.errors import ConfigError, ExitCode
+from ..core.lock import RunsLock
+from ..core.templates import PromptTemplates
+from ..guard import leakguard
+from ..infra import llm, log
+from ..infra.state import SetState, StateStore
+from . import metrics_runs
+from .discovery import Discovery
+from .jobs import Budget, Claims, Jobs
+from .loop import Loop
+from .metrics import Metrics
+from .reconcile import Reconciler
+from .settle import CLOCK_SKEW_TOLERANCE_S
+from .steps import Steps
+from .watcher import Watcher
+
+LOOP_TICK_S = 1.0
+STALL_S = 60.0  # no scan, job end or loop tick for this long: the daemon is stuck
+RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
+ONCE_SETTLE_ROUNDS = 5  # --once: rescans after a settle wait before it gives up on a set
+
+
+class Daemon:
+    """The service: builds its parts and runs their life. Construction is
+    cheap; `start()` does the work."""
+
+    def __init__(self, cfg: config.Config, *, once: bool = False,
+                 runs_existed: bool | None = None) -> None:
+        self.cfg = cfg
+        self.runs_existed = runs_existed  # None: look at start()
+        self.runs = cfg.paths.runs
+        self.once = once
+        self.log = log.get_logger("skilltrain.daemon")
+        self._notify_warned = False
+        self.notifier = notify.Notifier.from_env(on_error=self._notify_failed)
+        self.clock = time.time  # wall clock: retry times are kept in the state
+        self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
+        self.exit_code = ExitCode.OK
+        self.state = StateStore(self.runs, cfg.paths.state)
+        self.metrics = Metrics(lambda: self.state.counts(), [s.value for s in SetState])
+        self.templates = PromptTemplates(cfg.paths.prompts)
+        self.heartbeat = notify.Heartbeat()  # the main loop, a scan or a job made progress
+        self.pinger = notify.WatchdogPinger(self.notifier, self.healthy, self.stop_event,
+                                            on_unhealthy=self._unhealthy)
+        self._waiting_for_root = False  # runs/ was deleted: waiting is healthy
+        self.catching_up = not once  # until the start-up's first scan has looked at every set
+        self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
+        self.abandoned = 0
+        self.scheduler = BackgroundScheduler(
+            executors={"default": {"type": "threadpool", "max_workers": 2}},
+            job_defaults={"misfire_grace_time": None, "coalesce": True, "max_instances": 4},
+            timezone=UTC)
+        # Built bottom-up; the upward callbacks are late-bound lambdas.
+        self.discovery = Discovery(cfg, self.state, self.emit)
+        self.budget = Budget(cfg.llm.budget_usd, self.state, self.emit)
+        self.loop = Loop(cfg, self.emit, stopping=self.stop_event, over_budget=self.budget.reached,
+                         request_scan=lambda: self.reconcile.schedule_scan(),
+                         optimizer_exhausted=lambda step: self.steps.optimizer_exhausted(step),
+                         retry_optimizer=lambda step: self.steps.retry_optimizer(step),
+                         once=once, clock=self.clock)
+        self.steps = Steps(cfg, self.state, self.emit, clock=self.clock, loop=self.loop,
+                           expected_sets=lambda step: list(self.discovery.sets_of_step(step)))
+        self.jobs = Jobs(cfg, self.state, self.emit, clock=self.clock, stopping=self.stop_event,
+                         templates=self.templates, complete=self.metrics.timed(llm.complete),
+                         steps=self.steps, budget=self.budget, claims=Claims(),
+                         heartbeat=self.heartbeat,
+                         look_again=lambda key, when: self.reconcile.look_again(key, when),
+                         settle_again=lambda key: self.reconcile.settle_again(key))
+        self.reconcile = Reconciler(cfg, self.state, self.emit, clock=self.clock,
+                                    stopping=self.stop_event, scheduler=self.scheduler,
+                                    discovery=self.discovery, jobs=self.jobs, steps=self.steps,
+                                    templates=self.templates, heartbeat=self.heartbeat,
+                                    scanned=self._scanned, once=once)
+        self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
+                               rescan=self.reconcile.schedule_scan)
+        metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
+
+    @property
+    def failures(self) -> int:
+        """Sets failed, refused or unusable, optimizer runs failed: --once's exit code."""
+        return self.reconcile.failures + self.jobs.failures + self.steps.failures
+
+    # ----------------------------------------------------------------- events
+    def emit(self, event: str, level: str = "info", **fields: Any) -> None:
+        getattr(self.log, level)(event, **fields)
+        self.metrics.observe(event, fields)
+
+    def _notify_failed(self, field: str, error: BaseException) -> None:
+        if not self._notify_warned:
+            self._notify_warned = True  # once: a vanished socket would fail every tick
+            self.emit("notify.failed", level="warning", field=field, error=str(error))
+
+    # --------------------------------------------------------------- start-up
+    def start(self) -> None:
+        """Check config, lock, clean up, first scan, start intake. Raises on bad config."""
+        preflight(self.cfg, once=self.once)  # before anything is created
+        _quiet_inotify_stop_race()  # every stop of the observer: at SIGTERM, on fallback
+        runs_existed = self.runs_existed if self.runs_existed is not None else self.runs.is_dir()
+        self.runs.mkdir(parents=True, exist_ok=True)
+        self._run_lock.acquire()
+        self.state.note_daemon(started_at=time.time())
+        self.emit("daemon.started", pid=os.getpid(), version=_version(),
+                  config=str(self.cfg.source), runs_dir=str(self.runs),
+                  observer=self.cfg.watch.observer, concurrency=self.cfg.loss.concurrency,
+                  model=self.cfg.llm.model, once=self.once)
+        if not runs_existed:
+            self.emit("daemon.runs_created", runs_dir=str(self.runs))
+        # Temp files of writes a crash cut short: the state folder's now (it
+        # is read next); the loss folders' too with --once, else after ready.
+        started_at = self.clock()
+        self._clean_leftovers([self.runs / layout.STATE_DIR, *(_loss_dirs(self.runs) if self.once
+                                                               else [])], started_at)
+        self.loop.prepare()
+        self.discovery.load_works()
+        _install_answer_keys(self.cfg.paths.data, self.emit)
+        self.discovery.check_human_ranges()
+        problem = self.state.load()
+        if problem:
+            self.emit("state.unreadable", level="error", path=str(self.state.path),
+                      reason=f"{problem}; rebuilt from runs/")
+        if self.cfg.metrics.listen and not self.once:
+            self.metrics.serve(self.cfg.metrics.listen)  # a bad address stops us here (exit 2)
+        self.scheduler.start()
+        if self.once:
+            self.reconcile.scan()
+            self._ready()
+            return
+        # Ready before the first scan (systemd/README.md, "When is it ready"):
+        # nothing is missed from here on, and a tree of any size cannot
+        # outlast systemd's start timeout; the scan feeds the watchdog.
+        self.watcher.start()
+        self.pinger.start()
+        self._ready()
+        self.reconcile.scan(progress=self._catching_up)
+        if self.stop_event.is_set():
+            return  # stopped while catching up: the next start goes on from the state
+        self.catching_up = False
+        self.metrics.caught_up()
+        self.emit("daemon.caught_up", sets=sum(self.state.counts().values()),
+                  duration_ms=int((time.monotonic() - self._ready_at) * 1000))
+        # litellm's import (~5 s) after the scan, which it would slow, and
+        # before the first job's pickup latency would pay for it.
+        threading.Thread(target=llm.warm_up, args=[self.cfg.llm.model],
+                         name="litellm-import", daemon=True).start()
+        # What changed in a part of the tree the first scan had passed before
+        # its step was watched: one more scan finds it.
+        self.reconcile.schedule_scan()
+        interval = self.cfg.watch.resync_s
+        self.scheduler.add_job(self.reconcile.scan, "interval", seconds=interval,
+                               id="resync", jitter=max(1, int(interval * RESYNC_JITTER)),
+                               replace_existing=True)
+        self.loop.start()
+        # A folder per report step: on a large tree, seconds of directory
+        # reads. Nothing reads a temp file meanwhile (exact names, and temp
+        # names end in .tmp); our own writes are newer.
+        threading.Thread(target=lambda: self._clean_leftovers(_loss_dirs(self.runs), started_at),
+                         name="cleanup", daemon=True).start()
+        if self.cfg.integrity.audit_on_start:
+            # Full leak audit of runs/; hits logged without their text.
+            from .start_audit import audit_runs  # the audit's reading code: only when it runs
+
+            threading.Thread(target=audit_runs, name="audit", daemon=True,
+                             args=[self.runs, self.discovery.works, self.cfg.paths.data,
+                                   self.emit]).start()
+
+    def _ready(self) -> None:
+        self._ready_at = time.monotonic()
+        self.metrics.startup_catching_up.set(int(self.catching_up))
+        self.notifier.ready()
+        self.emit("daemon.ready", observer=self.watcher.kind or "none",
+                  catching_up=self.catching_up)
+
+    def _catching_up(self, looked: int, total: int) -> None:
+        """The start-up scan's progress: systemd's STATUS=, the metric, the state."""
+        self.notifier.status(f"catching up: {looked:,} of {total:,} sets looked at")
+        self.metrics.catching_up(looked, total)
+        self._flush_state()  # a start killed now keeps what it has looked at
+
+    def _clean_leftovers(self, dirs: list[Path], written_before: float) -> None:
+        removed = sum(atomic.remove_leftover_temp_files(d, written_before) for d in dirs)
+        if removed:
+            self.emit("daemon.cleaned", temp_files=removed)
+
+    def _scanned(self, open_step_dirs: set[Path]) -> None:
+        """After each scan: watch where sets can still change, and check the watches hold."""
+        self.watcher.watch_open_steps(open_step_dirs)
+        self.watcher.check_coverage()
+
+    # ------------------------------------------------------------- main loop
+    def healthy(self) -> bool:
+        """For the systemd watchdog: intake alive and the loop not stuck."""
+        return not self.health_problems()
+
+    def health_problems(self) -> list[str]:
+        """Why the daemon is not healthy (empty: it is)."""
+        problems = []
+        if not (self.once or self._waiting_for_root or self.watcher.alive()):
+            problems.append("the filesystem watcher is not running")
+        if not self.scheduler.running:
+            problems.append("the scheduler is not running")
+        if not self.heartbeat.recent(STALL_S):
+            problems.append(f"no progress for {self.heartbeat.age_s():.0f} s")
+        return problems
+
+    def _unhealthy(self) -> None:
+        # Logged before systemd's WatchdogSec runs out, so the kill has a reason.
+        self.emit("daemon.unhealthy", level="error", reasons=self.health_problems(),
+                  watchdog_s=self.notifier.watchdog_interval_s)
+
+    def run_forever(self) -> None:
+        """The main thread's loop: health, state flush, status; until stopped."""
+        self.pinger.start()  # started already at ready, unless start() was cut short
+        last_status = ""
+        while not self.stop_event.wait(LOOP_TICK_S):
+            self.heartbeat.beat()
+            if self.watcher.root_replaced() or not self.watcher.alive():
+                self._watcher_died()
+                continue
+            self._flush_state()
+            leakguard.installed()  # an idle daemon still picks up (and says) a key's edit
+            line = _status_line(self.state)
+            if line != last_status:
+                self.notifier.status(line)
+                last_status = line
+
+    def _flush_state(self) -> None:
+        try:
+            self.state.flush_when_due(pid=os.getpid(), tick_s=LOOP_TICK_S)
+        except OSError as e:
+            self._state_write_failed(e)  # a full disk must not take the daemon down
+
+    def _state_write_failed(self, error: OSError) -> None:
+        self.emit("state.write_failed", level="warning", path=str(self.state.path),
+                  error=error.strerror or type(error).__name__)
+
+    def _watcher_died(self) -> None:
+        if self.watcher.root_replaced():
+            # runs/ was deleted (and maybe recreated): its watch went with it.
+            # Wait for it to exist, then take the lock and watch it anew.
+            self.emit("watch.root_missing", level="warning", runs_dir=str(self.runs))
+            self._waiting_for_root = True  # healthy: waiting is what it should do
+            try:
+                self.watcher.stop()
+                while not self.runs.is_dir() and not self.stop_event.wait(LOOP_TICK_S):
+                    self.heartbeat.beat()
+                if self.stop_event.is_set():
+                    return
+                self._run_lock.release()
+                self._run_lock.acquire()
+                self.watcher.start()
+            finally:
+                self._waiting_for_root = False
+            self.emit("watch.restarted", runs_dir=str(self.runs), observer=self.watcher.kind)
+            self.reconcile.schedule_scan()
+            return
+        self.emit("watch.died", level="error", thread="observer")
+        self.exit_code = ExitCode.WATCHER_DIED
+        self.stop_event.set()
+
+    def run_once(self) -> None:
+        """After the first scan: wait for every job (and optimizer) it started.
+
+        Sets that were only settling (first seen, still being written, their
+        inputs changed during the call) are looked at again once the settle
+        window has passed, a few rounds at most: --once ends, it does not
+        wait for a writer that never stops.
+        """
+        for rounds in range(ONCE_SETTLE_ROUNDS + 1):
+            self.jobs.wait_all()
+            self.steps.wait_optimizers()
+            rescan_at = self.reconcile.once_rescan_at
+            if rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
+                break
+            self.reconcile.once_rescan_at = 0.0
+            # A settle window is never longer than settle_s from now.
+            wait_s = min(rescan_at - time.time(),
+                         self.cfg.loss.settle_s + CLOCK_SKEW_TOLERANCE_S)
+            if self.stop_event.wait(max(0.0, wait_s) + 0.05):
+                break
+            self.reconcile.scan()
+
+    def shutdown(self, reason: str) -> None:
+        """Stop intake, drain running jobs up to the bound, abandon the rest."""
+        jobs = self.jobs.claims.jobs()
+        running = sum(1 for f in jobs if f.running())
+        self.emit("daemon.stopping", reason=reason, running=running, queued=len(jobs) - running)
+        self.notifier.stopping()
+        # 1. intake: no new events, evaluations, scans or jobs; jobs waiting to
+        #    retry give up and jobs not started are cancelled (all are found
+        #    again at the next start), like an optimizer run not started yet
+        self.stop_event.set()
+        self.jobs.stop_intake()
+        self.watcher.stop()
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown(wait=False)
+        self.steps.stop_intake()
+        # 2. running jobs and the optimizer may finish (their writes are atomic)
+        #    up to the bound; a cancelled optimizer is retried at the next start
+        deadline = time.monotonic() + self.cfg.daemon.shutdown_timeout_s
+        futures = self.jobs.claims.jobs() + self.steps.optimizer_runs()
+        for future in futures:
+            with contextlib.suppress(Exception):
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+        self.loop.stop(max(0.0, deadline - time.monotonic()))  # a killed writer reruns at start
+        # 3. what is still running (inside an LLM call) is abandoned: it dies
+        #    with the process, and its writes are atomic, so nothing is partial
+        self.steps.kill_optimizer.set()
+        for future in self.steps.optimizer_runs():
+            with contextlib.suppress(Exception):
+                future.result(timeout=5)
+        abandoned = sum(1 for f in futures if not f.done())
+        self._close_state()
+        counts = self.state.counts()
+        self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",
+                  exit_code=int(self.exit_code), done=counts.get("done", 0),
+                  failed=counts.get("failed", 0), abandoned=abandoned)
+        self.metrics.close()
+        self._run_lock.release()
+        self.abandoned = abandoned
+
+    def _close_state(self) -> None:
+        """Each run's spend said once more, the state written whole and closed."""
+        for run, spend in sorted(self.state.spend.items()):
+            self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
+                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6),
+                      tokens_cached=spend.tokens_cached,
+                      tokens_cache_write=spend.tokens_cache_write)
+        try:
+            self.state.flush(force=True, pid=None)
+        except OSError as e:
+            self._state_write_failed(e)
+        self.state.close()
+
+
+def _status_line(state: StateStore) -> str:
+    """systemd's STATUS= once caught up."""
+    counts = state.counts()
+    spent = sum(s.cost_usd for s in state.spend.values())
+    return (f"{counts.get('done', 0)} done, {counts.get('queued', 0)} queued, "
+            f"{counts.get('running', 0)} running, {counts.get('failed', 0)} failed, "
+            f"${spent:.2f}")
+
+
+def _install_answer_keys(data: Path, emit: Callable[..., None]) -> None:
+    """Every work's index, for what belongs to no one work: log lines, error
+    reasons. Kept current with data/ (leakguard_live), built now."""
+    from ..guard.leakguard_live import LiveAnswerKeys
+
+    keys = LiveAnswerKeys(data)
+    keys.check()  # the first build is no change; the next ones are said
+    keys.on_change = lambda works, eps: emit("answer_keys.reloaded", works=works, episodes=eps)
+    leakguard.install(keys)
+
+
+def _loss_dirs(runs: Path) -> list[Path]:
+    """Where the daemon writes besides runs/.skilltrain/: runs/*/loss/."""
+    return [run / layout.LOSS_DIR for run in layout.run_dirs(runs)
+            if (run / layout.LOSS_DIR).is_dir()]
+
+
+def preflight(cfg: config.Config, *, once: bool = False) -> None:
+    """Every configuration error found before anything is created, a lock
+    taken, a log opened or any job run (exit 2)."""
+    if not cfg.paths.data.is_dir():
+        raise ConfigError(f"[paths] data = {str(cfg.paths.data)!r}: no such folder "
+                          "(the answer keys live in data/<work>/human/)")
+    # A syntax error or a misspelt variable stops us here, with its line.
+    loss.check_template(PromptTemplates(cfg.paths.prompts))
+    optimizer.check_command(cfg.optimizer.command)
+    if cfg.loop is not None and not once:
+        if not cfg.writer.command:
+            raise ConfigError("[writer] command = []: [loop] is configured, so a writer "
+                              "command is needed to write each step")
+        writer.check_command(cfg.writer.command)
+    llm.check_credentials(cfg.llm)
+
+
+class _InotifyStopRace(logging.Filter):
+    """watchdog logs an *error* when its inotify thread reads one last event
+    while being stopped ("queue_events() called when the thread is inactive"):
+    a benign race of every stop (SIGTERM, runs/ replaced, the fallback to
+    polling), which must not look like a fault. Nothing else logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+_INOTIFY_STOP_RACE = _InotifyStopRace()
+
+
+def _quiet_inotify_stop_race() -> None:
+    logging.getLogger("watchdog.observers.inotify").addFilter(_INOTIFY_STOP_RACE)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("skilltrain")
+    except PackageNotFoundError:
+        return "unknown"

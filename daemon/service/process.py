@@ -1,0 +1,98 @@
+"""The daemon as a process: `skilltrain daemon`'s entry, signals, exit.
+
+    main: config -> preflight (nothing created on a bad one) -> log -> Daemon
+          -> start -> run_forever (or run_once) -> shutdown -> os._exit(code)
+
+Signal handlers only set the stop flag; a second SIGINT exits at once.
+The service's life itself (start, main loop, shutdown) is daemon/service.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from ..core import config
+from ..core.errors import ConfigError, ExitCode, SkilltrainError
+from ..infra import log
+from .lifecycle import Daemon, preflight
+
+
+def main(config_path: Path | None, once: bool = False) -> int:
+    cfg = config.load(config_path)
+    if notice := config.defaults_notice(cfg):
+        print(f"skilltrain: {notice}", file=sys.stderr)
+    for note in cfg.renamed:
+        print(f"skilltrain: warning: {note}", file=sys.stderr)
+    try:
+        # Before the log file (in runs/) is opened: a bad config creates nothing.
+        preflight(cfg, once=once)
+    except ConfigError as e:
+        _log_if_possible(cfg, e)
+        raise
+    runs_existed = cfg.paths.runs.is_dir()
+    log.configure(log_file=cfg.log.file, level=cfg.log.level)
+    daemon = Daemon(cfg, once=once, runs_existed=runs_existed)
+    for note in cfg.renamed:
+        daemon.emit("config.renamed", level="warning", note=note)
+    _install_signal_handlers(daemon)
+    try:
+        daemon.start()
+    except SkilltrainError as e:
+        daemon.emit("daemon.failed", level="error", reason=str(e), exit_code=int(e.exit_code))
+        e.logged = True
+        daemon.stop_event.set()
+        with contextlib.suppress(Exception):
+            daemon.scheduler.shutdown(wait=False)
+        daemon.watcher.stop()
+        raise
+    if once:
+        daemon.run_once()
+        if daemon.failures and daemon.exit_code == ExitCode.OK:
+            daemon.exit_code = ExitCode.FAILURE  # cron and scripts must see it
+        daemon.shutdown("once: idle")
+    else:
+        daemon.run_forever()
+        daemon.shutdown("signal" if daemon.exit_code == ExitCode.OK else "watcher died")
+    # Everything is written and the lock released. Abandoned jobs sit in an
+    # LLM call we cannot interrupt (their writes are atomic, so nothing is
+    # partial), and litellm's exit handlers take seconds: end the process now.
+    logging_flush()
+    os._exit(int(daemon.exit_code))
+
+
+def _log_if_possible(cfg: config.Config, error: SkilltrainError) -> None:
+    """daemon.failed in the log file too, when its folder exists (created for
+    this, it would not be "nothing created"). Marks the error as logged."""
+    if cfg.log.file is None or not cfg.log.file.parent.is_dir():
+        return
+    log.configure(log_file=cfg.log.file, level=cfg.log.level)
+    log.get_logger("skilltrain.daemon").error("daemon.failed", reason=str(error),
+                                              exit_code=int(error.exit_code))
+    log.shutdown()
+    error.logged = True
+
+
+def _install_signal_handlers(daemon: Daemon) -> None:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if daemon.stop_event.is_set() and signum == signal.SIGINT:
+            logging_flush()
+            os._exit(130)  # second Ctrl-C: the user means it
+        daemon.stop_event.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def logging_flush() -> None:
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()

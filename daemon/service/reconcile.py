@@ -1,0 +1,324 @@
+"""Reconciliation: look at a set on disk and do the one right thing for it now.
+
+    watchdog event (hint) ─┐
+    periodic resync scan ──┼─> evaluate(set)  (APScheduler date job, id = set id,
+    startup scan ──────────┘                   replace_existing: the debounce)
+                                   │ complete? settled? up to date? failed/backoff? budget?
+                                   v
+                         jobs.submit (daemon/jobs.py) ──> steps.check (daemon/steps.py)
+
+Events are hints; the filesystem is the truth. `evaluate` is level-triggered:
+it looks at the set on disk and decides from what it sees, so a lost event,
+a restart or a second event for the same file changes nothing.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import SchedulerNotRunningError
+
+from ...handlers import loss
+from ..core import config, layout
+from ..core.notify import Heartbeat
+from ..core.templates import PromptTemplates
+from ..infra import log
+from ..infra.state import SetState, StateStore
+from .discovery import Discovery
+from .jobs import Jobs
+from .observe import Fingerprint, HumanDigests, Observation, observe, report_is_current
+from .settle import SettleClock, at, iso
+from .steps import Steps
+
+HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
+RESCAN_DEBOUNCE_S = 0.5
+PROGRESS_EVERY_S = 1.0  # a long scan says how far it is this often
+
+Emit = Callable[..., None]
+ScanProgress = Callable[[int, int], None]  # (sets looked at, sets in the scan)
+
+
+class Reconciler:
+    """Scans, hints and the per-set decision; hands work to jobs and steps."""
+
+    def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
+                 clock: Callable[[], float], stopping: threading.Event,
+                 scheduler: BackgroundScheduler, discovery: Discovery, jobs: Jobs,
+                 steps: Steps, templates: PromptTemplates, heartbeat: Heartbeat,
+                 scanned: Callable[[set[Path]], None], once: bool) -> None:
+        self.cfg = cfg
+        self.runs = cfg.paths.runs
+        self.state = state
+        self.emit = emit
+        self.log = log.get_logger("skilltrain.daemon")
+        self.clock = clock
+        self.stopping = stopping
+        self.scheduler = scheduler
+        self.discovery = discovery
+        self.jobs = jobs
+        self.claims = jobs.claims
+        self.steps = steps
+        self.templates = templates
+        self.heartbeat = heartbeat
+        self.scanned = scanned  # after each scan: the step folders still open (to watch)
+        self.once = once
+        self.settle = SettleClock(cfg.loss.settle_s, self.runs, discovery.ignore)
+        self.human_digests = HumanDigests()
+        self.failures = 0  # sets that will not complete by themselves (--once exit code)
+        self.once_rescan_at = 0.0  # --once: when sets waiting to settle are ready
+        self._template_hash: tuple[float, str] | None = None
+        self._schedule_guard = threading.Lock()  # a look's time: read and set at once
+        self._scan_guard = threading.Lock()
+        self._scanning = False  # one full scan at a time; under _scan_guard
+        self._scan_wanted = False  # asked for while one ran: it goes round once more
+
+    # ------------------------------------------------------------------- scan
+    def scan(self, progress: ScanProgress | None = None) -> None:
+        """Level-triggered reconciliation: look at every set under runs/.
+
+        One full scan at a time (the periodic resync and a rescan can fall
+        due together): a scan asked for while one runs makes that one go
+        round once more, so what prompted it is still seen. `progress(seen,
+        total)` is called about once a second (the start-up's catch-up scan
+        says how far it is); a stop ends the scan where it is.
+        """
+        with self._scan_guard:
+            if self._scanning:
+                self._scan_wanted = True
+                return
+            self._scanning = True
+        try:
+            while True:
+                self._scan_tree(progress)
+                with self._scan_guard:
+                    if not self._scan_wanted or self.stopping.is_set():
+                        break
+                    self._scan_wanted = False
+        finally:
+            with self._scan_guard:
+                self._scanning = self._scan_wanted = False
+
+    def _scan_tree(self, progress: ScanProgress | None) -> None:
+        t0 = time.monotonic()
+        self._template_hash = None  # a scan reads the template afresh
+        self.discovery.begin_scan()
+        steps = dict(self.discovery.steps())
+        total = sum(len(keys) for keys in steps.values())
+        looked = 0
+        said_at = time.monotonic()
+        for keys in steps.values():
+            for key in keys:
+                try:
+                    self.evaluate(key)
+                except Exception:
+                    self.log.exception("set.error", **key.log_fields())
+                looked += 1
+                if self.stopping.is_set():
+                    # Cut short: what was not looked at is not gone, so
+                    # nothing (sets, steps, notices) is forgotten.
+                    return
+                if progress is not None and time.monotonic() - said_at >= PROGRESS_EVERY_S:
+                    progress(looked, total)
+                    said_at = time.monotonic()
+                    self.heartbeat.beat()
+        if progress is not None:
+            progress(total, total)
+        seen = {key.id for keys in steps.values() for key in keys}
+        with self.state.lock:
+            for set_id in set(self.state.sets) - seen:
+                if not self.claims.has_job(set_id):
+                    self.state.forget(set_id)  # its folder is gone
+            for step_id in set(self.state.steps) - {step.id for step in steps}:
+                # Its folder is gone: a run made again under the same name is
+                # reported (and looped) afresh, not taken as reported already.
+                self.state.forget_step(step_id)
+        for step in sorted(steps):
+            self.steps.check(step, steps[step])
+        self.scanned(self._open_step_dirs(steps))
+        self.discovery.end_scan()
+        counts = self.state.counts()
+        by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
+        self.state.note_daemon(scanned_at=time.time())
+        self.emit("scan.completed", sets=len(seen),
+                  duration_ms=int((time.monotonic() - t0) * 1000), **by_state)
+        self.heartbeat.beat()
+
+    def _open_step_dirs(self, steps: dict[layout.StepKey, list[layout.SetKey]]) -> set[Path]:
+        """Step folders with a set not yet reported: where the watcher looks."""
+        with self.state.lock:
+            return {step.step_dir(self.runs) for step, keys in steps.items()
+                    if any((r := self.state.sets.get(k.id)) is None or r.state != SetState.DONE
+                           for k in keys)}
+
+    # ------------------------------------------------------------------ hints
+    def hint(self, path: Path) -> None:
+        """A filesystem event: schedule a look at whatever it touches."""
+        if self.stopping.is_set():
+            return
+        parsed = layout.parse_runs_path(self.runs, path)
+        if parsed is None:
+            try:
+                parts = path.relative_to(self.runs).parts
+            except ValueError:
+                return
+            if (0 < len(parts) <= 2 and not parts[0].startswith(".")
+                    and parts[-1] != layout.LOSS_DIR and path.is_dir()):
+                self.schedule_scan()  # a run or epoch folder appeared or moved in
+            return
+        step = layout.StepKey(parsed.run, parsed.epoch, parsed.step)
+        for key in self.discovery.sets_of_step(step):
+            if parsed.work and key.work != parsed.work:
+                continue
+            if parsed.episode is not None and not key.first <= parsed.episode <= key.last:
+                continue
+            self.schedule_evaluate(key, delay_s=HINT_DEBOUNCE_S)
+
+    def schedule_scan(self) -> None:
+        self.scheduler.add_job(self.scan, "date", id="rescan", replace_existing=True,
+                               run_date=at(time.time() + RESCAN_DEBOUNCE_S))
+
+    def schedule_evaluate(self, key: layout.SetKey, *, delay_s: float = 0.0,
+                          at_s: float | None = None) -> None:
+        """Debounce: one pending evaluation per set, at the earliest time asked for.
+
+        A later time never replaces an earlier pending look (a settle wait
+        of 30 s must not swallow the look a `_SUCCESS` event asked for in
+        20 ms): the look runs after every request made before it, sees what
+        they saw, and schedules its own next look if it needs one.
+        """
+        if self.once or self.stopping.is_set():
+            return
+        when = at(at_s if at_s is not None else time.time() + delay_s)
+        try:
+            with self._schedule_guard:
+                pending = self.scheduler.get_job(key.id)
+                if pending is not None and pending.next_run_time is not None \
+                        and pending.next_run_time <= when:
+                    return
+                self.scheduler.add_job(self._evaluate_job, "date", args=[key], id=key.id,
+                                       replace_existing=True, run_date=when)
+        except SchedulerNotRunningError:
+            pass  # shutting down: the next start finds the set again
+        except Exception:
+            # The set now waits for its next event or the resync: say so.
+            self.log.exception("set.error", **key.log_fields())
+
+    def look_again(self, key: layout.SetKey, when: float | None) -> None:
+        """For jobs: evaluate a set again, now or at a (wall-clock) time."""
+        self.schedule_evaluate(key, at_s=when)
+
+    def settle_again(self, key: layout.SetKey) -> None:
+        """For jobs: the set's inputs changed under a job; it settles from now."""
+        self.settle.forget(key)
+        self._settle_later(key, self.clock() + self.cfg.loss.settle_s)
+
+    def _settle_later(self, key: layout.SetKey, when: float) -> None:
+        """Look at a set again when its settle window ends. --once has no
+        scheduler: its rescan after the wait looks at every such set."""
+        if self.once:
+            self.once_rescan_at = max(self.once_rescan_at, when)
+        self.schedule_evaluate(key, at_s=when)
+
+    def _evaluate_job(self, key: layout.SetKey) -> None:
+        try:
+            self.evaluate(key)
+        except Exception:
+            self.log.exception("set.error", **key.log_fields())
+        self.steps.check(key.step_key)
+
+    # --------------------------------------------------------------- evaluate
+    def evaluate(self, key: layout.SetKey) -> None:
+        """Look at one set and do the one right thing for it now."""
+        if self.steps.writer_running(key.step_key):
+            # Scored once the loop recorded its writer's end: a writer re-run
+            # after a crash must not leave a report of the first run's episodes.
+            self.state.update(key.id, SetState.WAITING, reason="the loop's writer is running")
+            return
+        if not self.claims.claim_look(key.id):
+            return  # coalesced: looked at again when the job or look ends
+        try:
+            self._evaluate_claimed(key)
+        finally:
+            again = self.claims.end_look(key.id)
+        if again:
+            self.schedule_evaluate(key)
+
+    def _evaluate_claimed(self, key: layout.SetKey) -> None:
+        obs = observe(key, self.runs, self.cfg.paths.data)
+        rec = self.state.get(key.id)
+        if not obs.complete:
+            self._waiting(key, obs)
+            return
+        work = self.discovery.works[key.work]
+        human = self.human_digests.digest(work, key.first, key.last) or ""
+        fp = Fingerprint.of(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
+        recorded = Fingerprint.from_json(rec.fingerprint) if rec and rec.fingerprint else None
+        if human and report_is_current(key, self.runs, fp, recorded):
+            if rec is None or rec.state != SetState.DONE or recorded != fp:
+                self.state.update(key.id, SetState.DONE, reason=None, attempts=0,
+                                  fingerprint=fp.as_json(), next_retry_at=None)
+            return
+
+        now = self.clock()
+        ready_at = self.settle.ready_at(key, obs, now)
+        report_exists = key.report_path(self.runs).exists()
+        if ready_at > now:
+            self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
+                              reason=f"settling until {iso(ready_at)}")
+            self._settle_later(key, ready_at)
+            return
+        if rec and rec.state == SetState.REFUSED and rec.refused_fingerprint == fp.as_json():
+            return  # the same input was refused already; wait for it to change
+        if rec and rec.state == SetState.FAILED and rec.fingerprint == fp.as_json():
+            if rec.attempts >= self.cfg.loss.max_attempts:
+                return  # gave up; stays visible as failed until its input changes
+            if rec.next_retry_at and rec.next_retry_at > now:
+                self.schedule_evaluate(key, at_s=rec.next_retry_at)
+                return
+        if self.jobs.hold_if_over_budget(key):
+            return
+        if report_exists:
+            self._report_stale(key)
+        attempts = rec.attempts if rec and rec.state == SetState.FAILED \
+            and rec.fingerprint == fp.as_json() else 0
+        self.jobs.submit(key, work, fp, attempts)
+
+    def _waiting(self, key: layout.SetKey, obs: Observation) -> None:
+        """An incomplete range: one event when it will not complete by itself."""
+        problem = obs.problem or "incomplete"
+        stuck = obs.unusable
+        if obs.zero_byte and not obs.unusable:
+            # A file is created empty an instant before it is written: only
+            # one still empty after the settle window is worth a line.
+            quiet_until = obs.newest_mtime_ns / 1e9 + self.cfg.loss.settle_s
+            stuck = quiet_until <= self.clock()
+            if not stuck:
+                self._settle_later(key, quiet_until + 0.05)
+        # Not a range still being written but something that will not do by
+        # itself (a symlink out of runs/, a misspelt name): say so once.
+        if stuck and self.discovery.ignore(key.scripts_dir(self.runs), problem,
+                                           event="set.unusable"):
+            self.failures += 1
+        self.state.update(key.id, SetState.WAITING, reason=problem)
+
+    def _report_stale(self, key: layout.SetKey) -> None:
+        after_optimizer = self.steps.optimized(key.step_key)
+        self.emit("set.stale", reason="inputs changed since the report was written"
+                  + ("; the optimizer already ran for this step: the step is reported "
+                     "again and the optimizer re-run once the new report is written"
+                     if after_optimizer else ""), after_optimizer=after_optimizer,
+                  **key.log_fields())
+
+    def template_hash(self) -> str:
+        """The loss template's hash, read at most once a second (and afresh by
+        each scan): a burst of evaluations reads the file once, an edit is
+        seen within a second."""
+        cached = self._template_hash
+        if cached is None or time.monotonic() - cached[0] > 1.0:
+            cached = (time.monotonic(), self.templates.source_hash(loss.TEMPLATE))
+            self._template_hash = cached
+        return cached[1]

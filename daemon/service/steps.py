@@ -1,0 +1,297 @@
+"""The step barrier and the stages after it: a step is reported once every
+expected set of it is done, then its optimizer runs, then (a looped run) the
+writer of the next step (daemon/loop.py).
+
+    every set DONE ──> step.reported (once; marker written) ──> optimizer ──> loop.notice
+                              ^                                    │ failed: retried
+    a report replaced ────────┘ (reported again, re-optimized)     v         after backoff
+
+The marker beside the reports (runs/<run>/loss/.steps/epoch_EE-step_SS.json)
+is the durable record: the state database is a cache of it, so a lost or
+lagging state never reports a step twice, runs its optimizer twice, or
+forgets that a replaced report reopened it.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ...handlers import optimizer
+from ..core import atomic, config, layout
+from ..core.errors import ConfigError
+from ..infra import log
+from ..infra.state import SetState, StateStore, StepRecord
+from . import curve
+from .loop import Loop
+
+Emit = Callable[..., None]
+
+
+class Steps:
+    """Barrier, markers and the optimizer stage; hands finished steps to the loop."""
+
+    def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
+                 clock: Callable[[], float], loop: Loop,
+                 expected_sets: Callable[[layout.StepKey], list[layout.SetKey]]) -> None:
+        self.cfg = cfg
+        self.runs = cfg.paths.runs
+        self.state = state
+        self.emit = emit
+        self.clock = clock
+        self.loop = loop
+        self.expected_sets = expected_sets
+        self.failures = 0  # optimizer runs that failed (--once exit code)
+        self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
+        self._futures_lock = threading.Lock()  # jobs finishing together trigger steps
+        self._futures: list[Future[None]] = []
+        self._pending: set[str] = set()  # step ids with an optimizer run claimed; state.lock
+        self._compared: set[str] = set()  # step ids whose record met its marker; state.lock
+
+    def writer_running(self, step: layout.StepKey) -> bool:
+        """The loop's writer is still writing this step: its sets are not scored yet."""
+        return self.loop.writing(step)
+
+    @property
+    def _backoff_s(self) -> float:
+        """Before the next attempt of a failed optimizer run."""
+        own = self.cfg.optimizer.retry_backoff_s
+        return self.cfg.loss.retry_backoff_s if own is None else own
+
+    def optimized(self, step: layout.StepKey) -> bool:
+        rec = self.state.steps.get(step.id)
+        return bool(rec and rec.optimizer_done)
+
+    # ---------------------------------------------------------------- barrier
+    def check(self, step: layout.StepKey, keys: list[layout.SetKey] | None = None) -> None:
+        """When every expected set of a step is done: step.reported once, then the optimizer."""
+        keys = self.expected_sets(step) if keys is None else keys
+        if not keys:
+            return
+        with self.state.lock:
+            if not all((r := self.state.sets.get(k.id)) and r.state == SetState.DONE
+                       for k in keys):
+                return
+            rec = self._record(step) or StepRecord()
+            first_time = rec.reported_at is None
+            due = (not rec.optimizer_done
+                   and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
+                   and (rec.optimizer_next_at or 0) <= self.clock()
+                   and step.id not in self._pending)
+            if first_time or due:
+                rec = self.state.step(step.id)  # only now: it marks the state for a write
+            if first_time:
+                rec.reported_at = self.clock()
+            no_command = due and not self.cfg.optimizer.command
+            if no_command:
+                rec.optimizer_done = True  # event only: consumers tail the log
+                due = False
+            elif due:
+                rec.optimizer_attempts += 1
+                self._pending.add(step.id)  # decided and claimed under one lock
+        if first_time or no_command:
+            self._write_marker(step)  # one write says both when there is nothing to run
+        if first_time:
+            again: dict[str, Any] = ({"again": True, "reason": rec.reopened_reason}
+                                     if rec.generation else {})
+            self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
+                      reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
+                      **again, **curve.step_fields(self.runs, step))
+        if first_time or no_command:
+            self.loop.notice(step)
+        if due:
+            self._trigger_optimizer(step)
+
+    def reopen(self, key: layout.SetKey) -> None:
+        """A new report in a step already reported: the optimizer learnt from the
+        report this one replaces, so the step is reported again and re-optimized."""
+        step = key.step_key
+        with self.state.lock:
+            # After a lost or lagging state the step's marker file still knows.
+            rec = self._record(step)
+            if rec is None or rec.reported_at is None:
+                return
+            rec.reported_at = None
+            rec.optimizer_done = False
+            rec.optimizer_attempts = 0
+            rec.optimizer_exit_code = None
+            rec.optimizer_next_at = None
+            rec.generation += 1
+            rec.reopened_reason = f"report {key.id} replaced"
+            self.state.put_step(step.id, rec)
+        self._write_marker(step)
+
+    def optimizer_exhausted(self, step: layout.StepKey) -> int | None:
+        """The attempts used when every one failed and none is running; else None.
+
+        Asked of the state, not the marker: the marker says an attempt is
+        used when it starts, so its last attempt would look failed while it runs.
+        """
+        with self.state.lock:
+            rec = self.state.steps.get(step.id)
+            if (rec is None or rec.optimizer_done or step.id in self._pending
+                    or rec.optimizer_attempts < self.cfg.optimizer.max_attempts):
+                return None
+            return rec.optimizer_attempts
+
+    def retry_optimizer(self, step: layout.StepKey) -> None:
+        """The user's RETRY of a run stalled on this step's optimizer: fresh
+        attempts, and a run now (the failed ones stay in the log)."""
+        with self.state.lock:
+            rec = self._record(step)
+            if rec is None or rec.optimizer_done:
+                return
+            rec = self.state.step(step.id)  # marks it for a write
+            rec.optimizer_attempts = 0
+            rec.optimizer_next_at = None
+        self._write_marker(step)
+        self.check(step)
+
+    # ---------------------------------------------------------------- markers
+    def _record(self, step: layout.StepKey) -> StepRecord | None:
+        """The step's record: the state's, unless the step's marker is newer.
+
+        The state lags the marker by up to a flush: after a SIGKILL in
+        between, a record read at the start may miss the optimizer's end (it
+        would run twice) or the step's reopening by a replaced report (the
+        optimizer would never learn from the new one). Each record is
+        compared once per process, at its first use (state.lock held): later
+        changes are this process's own, written to both.
+        """
+        rec = self.state.steps.get(step.id)
+        if rec is None:
+            return self._from_marker(step)
+        if step.id not in self._compared:
+            self._compared.add(step.id)
+            if _marker_is_newer(curve.read_step_marker(self.runs, step), rec):
+                return self._from_marker(step) or rec
+        return rec
+
+    def _from_marker(self, step: layout.StepKey) -> StepRecord | None:
+        """The step's record from its marker file, when the state was lost.
+
+        The state is a cache; the marker beside the reports is what keeps
+        step.reported (and the optimizer) from happening twice after it is
+        deleted or corrupted.
+        """
+        try:
+            data = json.loads(self._marker(step).read_text("utf-8"))
+            rec = StepRecord(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+        self.state.put_step(step.id, rec)
+        return rec
+
+    def _marker(self, step: layout.StepKey) -> Path:
+        # Beside the reports folders, not in them: the optimizer reads those.
+        return step.marker(self.runs)
+
+    def _write_marker(self, step: layout.StepKey) -> None:
+        with self.state.lock:
+            rec = self.state.steps.get(step.id)
+            payload = json.dumps(asdict(rec)) if rec else None
+        if payload is not None:
+            try:
+                atomic.write_text(self._marker(step), payload + "\n")
+            except OSError as e:
+                self.emit("step.marker_failed", level="warning", step=step.id,
+                          error=e.strerror or type(e).__name__)
+
+    # -------------------------------------------------------------- optimizer
+    def _trigger_optimizer(self, step: layout.StepKey) -> None:
+        future = self.pool.submit(self._run_optimizer, step)
+        future.add_done_callback(log.report_task_failure)
+        with self._futures_lock:
+            self._futures = [f for f in self._futures if not f.done()]
+            self._futures.append(future)
+
+    def _run_optimizer(self, step: layout.StepKey) -> None:
+        values = {"run": step.run, "epoch": f"{step.epoch:02d}", "step": f"{step.step:02d}",
+                  "reports_dir": str(step.reports_dir(self.runs)),
+                  "run_dir": str(step.run_dir(self.runs))}
+        fields: dict[str, Any] = {"run": step.run, "epoch": step.epoch, "step": step.step}
+        bad_command: optimizer.OptimizerResult | None = None
+        try:
+            argv = optimizer.render_argv(self.cfg.optimizer.command, values)
+        except ConfigError as e:
+            # A placeholder only these values break ({epoch[4]}): a failed
+            # attempt like any other, never a step left claimed for good.
+            argv, bad_command = [], optimizer.OptimizerResult(None, 0, str(e))
+
+        def emit(event: str, **kw: Any) -> None:
+            # The output relays are plain threads: bound context does not reach them.
+            self.emit(event, **fields, **kw)
+
+        with self.state.lock:
+            generation = self.state.step(step.id).generation
+        with log.bound_job(**fields):
+            if bad_command is None:
+                self.emit("optimizer.started", argv=argv)
+            try:
+                result = bad_command or optimizer.run(
+                    argv, timeout_s=self.cfg.optimizer.timeout_s, emit=emit,
+                    cancel=self.kill_optimizer)
+            except BaseException:
+                with self.state.lock:
+                    self._pending.discard(step.id)
+                raise
+            with self.state.lock:
+                # Unclaimed with its outcome recorded, in one step: the loop asks
+                # optimizer_exhausted and must not see one without the other.
+                self._pending.discard(step.id)
+                rec = self.state.step(step.id)  # under the lock: a flush sees all or nothing
+                reopened = rec.generation != generation
+                if not reopened:  # else a report changed meanwhile: this run is not the last
+                    rec.optimizer_exit_code = result.exit_code
+                    rec.optimizer_done = result.exit_code == 0
+                    if not rec.optimizer_done:
+                        rec.optimizer_next_at = self.clock() + self._backoff_s
+            self._write_marker(step)
+            if result.exit_code != 0:
+                self.failures += 1
+            # With the step's fields, not only its bound context: /metrics counts
+            # the failures per run from the event itself.
+            emit("optimizer.finished", level="info" if result.exit_code == 0 else "error",
+                 exit_code=result.exit_code, duration_ms=result.duration_ms)
+            if result.reason is not None:
+                emit("optimizer.failed", level="error", reason=result.reason,
+                     attempt=rec.optimizer_attempts,
+                     will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
+            self.loop.notice(step)  # after the events: the next writer's come later
+        if reopened:
+            self.check(step)
+
+    # --------------------------------------------------------------- shutdown
+    def optimizer_runs(self) -> list[Future[None]]:
+        """Optimizer runs submitted and not yet known to be done."""
+        with self._futures_lock:
+            return list(self._futures)
+
+    def wait_optimizers(self) -> None:
+        """--once: every optimizer run this process started has ended."""
+        for future in self.optimizer_runs():
+            future.result()
+
+    def stop_intake(self) -> None:
+        """No new optimizer runs; one not started yet is retried at the next start."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _marker_is_newer(marker: dict[str, Any], rec: StepRecord) -> bool:
+    """Whether the marker records a later moment of the step than `rec`.
+
+    A reopening raises the generation and is written to the marker at once;
+    within a generation "optimizer done" never turns false again. A marker
+    that failed to be written (step.marker_failed) is older, never newer.
+    """
+    generation = marker.get("generation", 0)
+    if not isinstance(generation, int):
+        return False
+    if generation != rec.generation:
+        return generation > rec.generation
+    return bool(marker.get("optimizer_done")) and not rec.optimizer_done
