@@ -1,7 +1,7 @@
 """The step marker against a state database that is lost, corrupt or lagging.
 
 The marker beside the reports (runs/<run>/loss/.steps/) is written when the
-step changes; the state database is flushed later (daemon/steps.py). After a
+step changes; the state database is flushed later (daemon/service/steps.py). After a
 SIGKILL in between, the database a new daemon reads is valid but older than
 the markers. These tests make that lag for real: a copy of the database
 taken at an earlier moment of the same run, restored after, with the

@@ -4,7 +4,7 @@
     r7   0     0     4     0.4120          -        ...
     r7   0     1     4     0.3870          -0.0250  ...
 
-The rows are the loss curve as it is on disk (daemon/curve.py), whether
+The rows are the loss curve as it is on disk (daemon/service/curve.py), whether
 the daemon runs or not.
 
 Fast by construction: no litellm, no scan of the writer's folders; the

@@ -83,7 +83,7 @@ class OptimizerConfig(_Section):
 
 
 class WriterConfig(_Section):
-    # The closed-book writer of the loop (daemon/loop.py); argv, no shell.
+    # The closed-book writer of the loop (daemon/service/loop.py); argv, no shell.
     command: list[str] = Field(default_factory=list)
     timeout_s: float = Field(7200.0, gt=0)
     max_attempts: int = Field(3, ge=1)

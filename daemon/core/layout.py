@@ -61,7 +61,7 @@ def markers_dir(runs: Path, run: str) -> Path:
 
 
 def loop_record(runs: Path, run: str) -> Path:
-    """A looped run's durable record (daemon/run_record.py)."""
+    """A looped run's durable record (daemon/service/run_record.py)."""
     return markers_dir(runs, run) / LOOP_RECORD
 
 

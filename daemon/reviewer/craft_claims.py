@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .craft_measuring import ScreenplayStats
-from .craft_report import METRICS, Metric
+from .craft_metrics import METRICS, Metric
 
 SECTION = "Claims"
 STATISTICS = tuple(m.key for m in METRICS)  # the checkable ones, as the prompt's tables name them

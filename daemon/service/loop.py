@@ -13,7 +13,7 @@ stages finished from the step marker the daemon writes
 `optimizer_done`), not from a record of its own, so each fact has one record.
 
 Exactly once across SIGKILL: every transition is written to the run's record
-(daemon/run_record.py, atomic + fsync) before the next stage starts, and
+(daemon/service/run_record.py, atomic + fsync) before the next stage starts, and
 the machine is level-triggered: at start and every TICK_S it reads each
 run's record and marker and does what they say is next. A stage recorded as
 started but not finished is run again (the writer; the daemon re-runs an
@@ -90,7 +90,7 @@ class Loop:
         self.stopping = stopping  # the daemon's intake flag: once set, no writer starts
         self.over_budget = over_budget
         self.request_scan = request_scan
-        # The step stage (daemon/steps.py) owns the optimizer's attempts: did
+        # The step stage (daemon/service/steps.py) owns the optimizer's attempts: did
         # they all fail (none running), and the user's RETRY of them.
         self.optimizer_exhausted = optimizer_exhausted
         self.retry_optimizer = retry_optimizer

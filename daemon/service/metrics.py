@@ -8,7 +8,7 @@ does not. Label values are run names, set states, phases and token kinds,
 never file contents or set names: a series per run at most, so a week of
 training with thousands of sets stays a few hundred series. The per-run
 gauges (loop phase, spend, budget, last report) are read at scrape time from
-the run records and the state (daemon/metrics_runs.py). docs/metrics.md lists
+the run records and the state (daemon/service/metrics_runs.py). docs/metrics.md lists
 them all with a scrape config; systemd/prometheus/ has the alert rules and
 systemd/grafana/ the dashboard built on them.
 

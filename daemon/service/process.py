@@ -4,7 +4,7 @@
           -> start -> run_forever (or run_once) -> shutdown -> os._exit(code)
 
 Signal handlers only set the stop flag; a second SIGINT exits at once.
-The service's life itself (start, main loop, shutdown) is daemon/service.py.
+The service's life itself (start, main loop, shutdown) is daemon/service/lifecycle.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
     startup scan ──────────┘                   replace_existing: the debounce)
                                    │ complete? settled? up to date? failed/backoff? budget?
                                    v
-                         jobs.submit (daemon/jobs.py) ──> steps.check (daemon/steps.py)
+                         jobs.submit (jobs.py) ──> steps.check (steps.py)
 
 Events are hints; the filesystem is the truth. `evaluate` is level-triggered:
 it looks at the set on disk and decides from what it sees, so a lost event,

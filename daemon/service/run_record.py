@@ -7,7 +7,7 @@ One small JSON file per run, beside the step markers (which already record
 "step reported" and "optimizer ran"), written atomically with fsync before
 the stage it names is started: whatever moment a SIGKILL hits, the file says
 either the stage before or the stage after, never half. The loop
-(daemon/loop.py) is the only writer; `status` and `skilltrain start` read it.
+(daemon/service/loop.py) is the only writer; `status` and `skilltrain start` read it.
 
 Phases: writing (the writer of epoch/step has not finished), scoring (it
 has; the loss jobs run), optimizing (the step is reported; the optimizer

@@ -1,6 +1,6 @@
 """The step barrier and the stages after it: a step is reported once every
 expected set of it is done, then its optimizer runs, then (a looped run) the
-writer of the next step (daemon/loop.py).
+writer of the next step (daemon/service/loop.py).
 
     every set DONE ──> step.reported (once; marker written) ──> optimizer ──> loop.notice
                               ^                                    │ failed: retried
