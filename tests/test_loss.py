@@ -130,7 +130,7 @@ def settings(llm_server: LLMServer, llm_model: str) -> SettingsFactory:
         values: dict[str, Any] = dict(
             model=llm_model,
             api_base=llm_server.url,
-            timeout=10.0,
+            timeout_s=10.0,
             max_retries=3,
             backoff_initial_s=0.01,
             backoff_max_s=5.0,
@@ -800,7 +800,7 @@ def test_request_hanging_past_the_timeout_is_abandoned_and_retried(
     llm_server.script(Reply.hang(30), Reply.ok(REPORT))
     t0 = time.monotonic()
 
-    result = run(job, settings(timeout=0.5))
+    result = run(job, settings(timeout_s=0.5))
 
     elapsed = time.monotonic() - t0
     assert llm_server.request_count == 2
