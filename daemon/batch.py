@@ -174,6 +174,7 @@ class Batcher:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.api.close()
 
     def busy(self) -> bool:
         with self._lock:

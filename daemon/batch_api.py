@@ -1,4 +1,4 @@
-"""The provider's batch API through litellm: files and batches, OpenAI-shaped.
+"""The provider's batch API: files and batches, OpenAI-shaped.
 
     upload (JSONL, in memory) -> create (metadata skilltrain_key) -> retrieve ... -> file content
 
@@ -16,6 +16,8 @@ without one gets `cost_usd: None` and a note, never a guessed price.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,24 +93,42 @@ def request_line(custom_id: str, messages: Sequence[llm.Message],
 
 
 class BatchAPI:
-    """The five calls, with the connection settings of `[llm]`."""
+    """The five calls, with the connection settings of `[llm]`.
+
+    Through the OpenAI SDK client litellm itself uses, owned here: litellm
+    1.110's file and batch functions build a new client for every call and
+    never close it (an open socket left behind per poll, and the client's
+    construction paid each time). One client, one keep-alive connection.
+    """
 
     def __init__(self, settings: LLMConfig) -> None:
         self.settings = settings
+        self._client: Any = None
+        self._lock = threading.Lock()
 
-    def _kwargs(self) -> dict[str, Any]:
-        provider = provider_of(self.settings)[1]
-        kwargs: dict[str, Any] = {"custom_llm_provider": provider,
-                                  "timeout": self.settings.timeout_s, "max_retries": 0}
-        if self.settings.api_base:
-            kwargs["api_base"] = self.settings.api_base
-            if llm.missing_credentials(self.settings.model, self.settings.api_base):
-                kwargs["api_key"] = llm.LOCAL_SERVER_KEY
-        return kwargs
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                llm.litellm()  # the offline cost map and quiet logging, set up once
+                import openai
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+                key = os.environ.get("OPENAI_API_KEY")
+                if self.settings.api_base and llm.missing_credentials(
+                        self.settings.model, self.settings.api_base):
+                    key = llm.LOCAL_SERVER_KEY
+                self._client = openai.OpenAI(api_key=key, base_url=self.settings.api_base,
+                                             timeout=self.settings.timeout_s, max_retries=0)
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         try:
-            return fn()
+            return fn(self.client())
         except Exception as e:
             # The provider's words, through the same guard as a live call's.
             text = llm._describe(e, "", self.settings.api_base)
@@ -116,35 +136,27 @@ class BatchAPI:
 
     def submit(self, lines: Sequence[str], metadata: dict[str, str]) -> str:
         """Upload the requests and create the batch; its provider id."""
-        lm = llm.litellm()
         data = ("\n".join(lines) + "\n").encode("utf-8")
-        kw = self._kwargs()
-        uploaded = self._call("upload", lambda: lm.create_file(
-            file=("skilltrain-batch.jsonl", data), purpose="batch", **kw))
-        batch = self._call("create", lambda: lm.create_batch(
+        uploaded = self._call("upload", lambda c: c.files.create(
+            file=("skilltrain-batch.jsonl", data), purpose="batch"))
+        batch = self._call("create", lambda c: c.batches.create(
             completion_window=COMPLETION_WINDOW, endpoint=ENDPOINT,
-            input_file_id=uploaded.id, metadata=metadata, **kw))
+            input_file_id=uploaded.id, metadata=metadata))
         return str(batch.id)
 
     def retrieve(self, batch_id: str) -> BatchStatus:
-        lm = llm.litellm()
-        kw = self._kwargs()
-        return _status(self._call("poll", lambda: lm.retrieve_batch(batch_id=batch_id, **kw)),
+        return _status(self._call("poll", lambda c: c.batches.retrieve(batch_id)),
                        self.settings.api_base)
 
     def cancel(self, batch_id: str) -> None:
-        lm = llm.litellm()
-        kw = self._kwargs()
-        self._call("cancel", lambda: lm.cancel_batch(batch_id=batch_id, **kw))
+        self._call("cancel", lambda c: c.batches.cancel(batch_id))
 
     def find(self, key: str) -> str | None:
         """The id of the batch we created with metadata skilltrain_key=key, if any."""
-        lm = llm.litellm()
-        kw = self._kwargs()
         after: str | None = None
         for _ in range(LIST_PAGES):
-            page = self._call("list", lambda a=after: lm.list_batches(  # type: ignore[misc]
-                after=a, limit=LIST_PAGE, **kw))
+            page = self._call("list", lambda c, a=after: c.batches.list(  # type: ignore[misc]
+                limit=LIST_PAGE, **({"after": a} if a else {})))
             data = list(getattr(page, "data", None) or [])
             for batch in data:
                 if (getattr(batch, "metadata", None) or {}).get("skilltrain_key") == key:
@@ -158,11 +170,8 @@ class BatchAPI:
         """The lines of an output or error file, each by its custom_id."""
         if not file_id:
             return []
-        lm = llm.litellm()
-        kw = self._kwargs()
-        content = self._call("download", lambda: lm.file_content(file_id=file_id, **kw))
-        raw = content.content if hasattr(content, "content") else content
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        content = self._call("download", lambda c: c.files.content(file_id))
+        text = content.content.decode("utf-8", "replace")
         return [r for r in (_item(line) for line in text.splitlines() if line.strip()) if r]
 
 

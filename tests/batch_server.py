@@ -280,7 +280,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
     def _missing(self) -> None:
-        self._json(404, {"error": {"message": "loopback: not found", "type": "invalid_request_error"}})
+        self._json(404, {"error": {"message": "loopback: not found",
+                                   "type": "invalid_request_error"}})
 
     def do_GET(self) -> None:
         url = urlparse(self.path)
