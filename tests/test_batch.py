@@ -200,3 +200,24 @@ def test_a_restart_resumes_polling_and_pays_once(
     wait_until(all_reported(ws), 60, message="reported after the restart")
     assert server.creates == 1 and len(server.billed) == 3
     assert len(ws.events("step.reported")) == 1
+
+
+def test_a_result_already_written_is_not_written_again(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    """A restart between a report's write and its record's update: not written twice."""
+    ws = workspace(tmp_path, server)
+    server.plan = BatchPlan(latency_s=1.0)
+    sets = ws.write_step("r1", 0, 0, works=["beta"], success=True)
+    first = start(ws)
+    wait_until(lambda: ws.events("batch.submitted"), 60, message="batch.submitted")
+    record = records(ws)[0]
+    saved = record.read_text(encoding="utf-8")  # open, no outcome yet
+    wait_until(lambda: ws.has_report(sets[0]) and not records(ws), 60, message="closed")
+    first.stop()
+    written = ws.sidecar(sets[0]).stat().st_mtime_ns
+    record.write_text(saved, encoding="utf-8")
+    start(ws)
+    wait_until(lambda: not records(ws), 60, message="closed again")
+    assert ws.sidecar(sets[0]).stat().st_mtime_ns == written
+    assert ws.events("batch.completed")[-1]["written_before"] == 1
+    assert server.creates == 1 and len(server.billed) == 1
