@@ -119,6 +119,40 @@ class LossHooks:
     retry: llm.RetryHook | None = None
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A loss job up to the LLM call: the inputs read, the prompt rendered.
+
+    What `finish` needs to check a reply, however it came (a live call or a
+    provider batch): a batch result is checked by preparing the job again
+    (equal hashes: the same prompt) and finishing it with the stored reply.
+    """
+
+    job: LossJob
+    settings: LLMConfig
+    hashes: InputHashes
+    messages: list[llm.Message] = field(repr=False)
+    prompt: str = field(repr=False)
+    archive: str = field(repr=False)
+    skeleton: str = field(repr=False)
+    slot: str
+    model_block: str = field(repr=False)
+    model: dict[int, str] = field(repr=False)
+    human_stats: craft_measuring.ScreenplayStats = field(repr=False)
+    model_stats: craft_measuring.ScreenplayStats = field(repr=False)
+    key_index: leakguard.HumanIndex = field(repr=False)
+    template_path: Path
+    prompt_tokens: int | None
+    read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]] = field(repr=False)
+    started_at: datetime
+    t0: float
+
+    @property
+    def prompt_text(self) -> str:
+        """Every message's text, for the echo check of a provider's error message."""
+        return "\n".join(llm.message_texts(self.messages))
+
+
 def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         on_leak: str = "redact", on_contradiction: str = "annotate",
         refuse_share: float = craft_claims.REFUSE_SHARE, confine_to: Path | None = None,
@@ -126,7 +160,8 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         complete: CompleteFn = llm.complete,
         sleep: Callable[[float], None] = time.sleep,
         now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
-    """Write the difference report for episodes job.first..job.last.
+    """Write the difference report for episodes job.first..job.last:
+    prepare, one live completion, finish.
 
     `on_contradiction`: what a report whose claims the measurements
     contradict becomes (craft_claims): "annotate" (the measured facts
@@ -140,6 +175,21 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     be read from inside it, through any link.
     """
     hooks = hooks or LossHooks()
+    prepared = prepare(job, settings=settings, templates=templates, confine_to=confine_to,
+                       answer_key=answer_key, now=now)
+    hooks.started(len(prepared.prompt), prepared.prompt_tokens)
+    completion = complete(prepared.messages, settings, on_retry=hooks.retry, sleep=sleep)
+    return finish(prepared, completion, on_leak=on_leak, on_contradiction=on_contradiction,
+                  refuse_share=refuse_share, now=now)
+
+
+def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
+            confine_to: Path | None = None, answer_key: Path | None = None,
+            now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> Prepared:
+    """Read and check the inputs, render the prompt: everything before the call.
+
+    Raises RefusedError (bad input), ConfigError (template).
+    """
     started_at, t0 = now(), time.monotonic()
     window = llm.max_input_tokens(settings.model)
     # A model litellm knows no window for (a local server's) still gets a bound.
@@ -180,12 +230,31 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     prompt = template.render(human_scripts=human_block, **fields)
     placeholder = _placeholder(human)
     archive = template.render(human_scripts=placeholder, **fields)
+    skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
     messages = build_messages(prompt, model_block, settings.model)
-
     prompt_tokens = _check_window(messages, settings.model, window, job)
-    hooks.started(len(prompt), prompt_tokens)
+    return Prepared(job=job, settings=settings, hashes=hashes, messages=messages,
+                    prompt=prompt, archive=archive, skeleton=skeleton, slot=slot,
+                    model_block=model_block, model=model, human_stats=human_stats,
+                    model_stats=model_stats, key_index=key_index,
+                    template_path=template.path, prompt_tokens=prompt_tokens,
+                    read_inputs=read_inputs, started_at=started_at, t0=t0)
 
-    completion = complete(messages, settings, on_retry=hooks.retry, sleep=sleep)
+
+def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "redact",
+           on_contradiction: str = "annotate",
+           refuse_share: float = craft_claims.REFUSE_SHARE,
+           sidecar_extra: dict[str, Any] | None = None,
+           now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
+    """Check a reply and write report + archive + sidecar, all or nothing.
+
+    Every reply passes here, whatever path it came by: finish reason, empty
+    or non-prose text, the leak guard, the claims check, the inputs read
+    again. `sidecar_extra`: more sidecar fields (a batch's mode and id).
+    Raises BadOutputError, RefusedError, ContradictedReportError,
+    InputsChangedError; nothing is written then.
+    """
+    job, hashes, model = prepared.job, prepared.hashes, prepared.model
     report = completion.text.strip()
     if not report:
         raise BadOutputError(f"the model returned an empty report for {job.work.name} "
@@ -198,28 +267,28 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
-    report, leaks = _guard(report, job, key_index, model, on_leak)
-    claims = craft_claims.check_report(report, human_stats, model_stats)
+    report, leaks = _guard(report, job, prepared.key_index, model, on_leak)
+    claims = craft_claims.check_report(report, prepared.human_stats, prepared.model_stats)
     if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
         raise _contradicted(job, claims, refuse_share)
     if on_contradiction != "ignore" and claims.contradicted:
         # The optimizer reads the correction with the claim, never the claim alone.
         report = f"{report}\n\n{craft_claims.annotation(claims.contradicted)}"
-    skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
-    if _archive_leaks(archive, skeleton, slot, model_block, key_index):
+    if _archive_leaks(prepared.archive, prepared.skeleton, prepared.slot,
+                      prepared.model_block, prepared.key_index):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
-        raise RefusedError(f"template {template.path} renders human screenplay "
+        raise RefusedError(f"template {prepared.template_path} renders human screenplay "
                            "text outside human_scripts; the prompt archive is not written")
     report_text = report + "\n"
-    duration_ms = int((time.monotonic() - t0) * 1000)
+    duration_ms = int((time.monotonic() - prepared.t0) * 1000)
     sidecar = {
         "schema": SIDECAR_SCHEMA,
         "work": job.work.name,
         "range": job.range_label,
         "first": job.first,
         "last": job.last,
-        "model": settings.model,
+        "model": prepared.settings.model,
         "inputs": hashes.as_dict(),
         "model_episodes": {dataset.episode_name(n): dataset.sha256_text(t)
                            for n, t in model.items()},
@@ -234,23 +303,24 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         "attempts": completion.attempts,
         "leaks_redacted": leaks,
         # A progress indicator beside the report, never part of the training signal.
-        **craft_distance.between(human_stats, model_stats).sidecar_fields(),
+        **craft_distance.between(prepared.human_stats, prepared.model_stats).sidecar_fields(),
         **claims.sidecar_fields(on_contradiction),
-        "prompt_chars": len(prompt),
-        "prompt_tokens": prompt_tokens,
+        "prompt_chars": len(prepared.prompt),
+        "prompt_tokens": prepared.prompt_tokens,
         "duration_ms": duration_ms,
-        "started_at": started_at.isoformat(),
+        "started_at": prepared.started_at.isoformat(),
         "finished_at": now().isoformat(),
+        **(sidecar_extra or {}),
     }
-    _check_unchanged(job, hashes, read_inputs)
+    _check_unchanged(job, hashes, prepared.read_inputs)
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
-    atomic.write_all({job.archive_path: archive, job.report_path: report_text,
+    atomic.write_all({job.archive_path: prepared.archive, job.report_path: report_text,
                       job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"})
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
-                      hashes=hashes, completion=completion, prompt_chars=len(prompt),
-                      prompt_tokens=prompt_tokens, leaks_redacted=leaks,
+                      hashes=hashes, completion=completion, prompt_chars=len(prepared.prompt),
+                      prompt_tokens=prepared.prompt_tokens, leaks_redacted=leaks,
                       duration_ms=duration_ms, claims=claims, sidecar=sidecar)
 
 

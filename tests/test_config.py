@@ -100,9 +100,9 @@ def test_values_from_the_file_are_used(tmp_path: Path) -> None:
 
 
 def test_unknown_key_suggests_the_close_one_and_lists_the_allowed(tmp_path: Path) -> None:
-    message = load_error(tmp_path, '[llm]\nmodle = "openai/gpt-4o-mini"\n')
+    message = load_error(tmp_path, '[llm]\nmodell = "openai/gpt-4o-mini"\n')
 
-    assert message.startswith("unknown key [llm] modle (did you mean 'model'?); allowed: ")
+    assert message.startswith("unknown key [llm] modell (did you mean 'model'?); allowed: ")
     allowed = message.split("allowed: ")[1].split(", ")
     assert allowed == list(config.LLMConfig.model_fields)
 
@@ -343,7 +343,7 @@ def _cli_env() -> dict[str, str]:
     ("toml", "fragment"),
     [
         ("[watch]\nobserver = 'inotify'\n", "[watch] observer = 'inotify'"),
-        ("[llm]\nmodle = 'x'\n", "did you mean 'model'?"),
+        ("[llm]\nmodell = 'x'\n", "did you mean 'model'?"),
         ("[llm\n", "not valid TOML"),
     ],
     ids=["bad-value", "unknown-key", "bad-toml"],

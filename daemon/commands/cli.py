@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="run name (runs/RUN/)")
     p.set_defaults(func=_start)
 
+    p = sub.add_parser("batch", help="batch mode: `batch cancel RUN` cancels the run's batches")
+    _config_arg(p)
+    p.add_argument("action", choices=["cancel"])
+    p.add_argument("run", metavar="RUN", help="run name (runs/RUN/)")
+    p.add_argument("--live", action="store_true", help="do the returned sets live, now")
+    p.set_defaults(func=_batch)
+
     p = sub.add_parser("audit", help="scan runs/ for answer-key leaks; exit 1 on a leak")
     _config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -141,6 +148,20 @@ def _start(args: argparse.Namespace) -> int:
     from ..service import run_record
 
     return run_record.start_main(args.config, args.run)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from ..core import config
+    from ..service import batch
+
+    runs = config.load(args.config).paths.runs
+    if not (runs / args.run).is_dir():
+        print(f"no run {args.run!r} in {runs}", file=sys.stderr)
+        return 1
+    path = batch.write_cancel_file(runs, args.run, live=args.live)
+    print(f"{path}: the daemon cancels the run's open batches within a second; their "
+          f"unfinished sets go {'live' if args.live else 'to the next batch'}")
+    return 0
 
 
 def _audit(args: argparse.Namespace) -> int:

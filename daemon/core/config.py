@@ -59,6 +59,16 @@ class LLMConfig(_Section):
     max_output_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0, le=2)
     budget_usd: float | None = Field(None, gt=0)
+    # "batch": the provider's batch API at its batch price (daemon/service/batch.py);
+    # a run's run.toml [llm] mode overrides it for that run.
+    mode: Literal["live", "batch"] = "live"
+    # A step's ready sets wait at most this long for the rest before they go.
+    batch_gather_s: float = Field(60.0, ge=0)
+    # Polls start at batch_poll_s and grow by half each time, to batch_poll_max_s.
+    batch_poll_s: float = Field(30.0, gt=0)
+    batch_poll_max_s: float = Field(600.0, gt=0)
+    # Where an item the batch failed goes: into the next batch, or a live call.
+    batch_failed: Literal["batch", "live"] = "batch"
 
 
 class LossConfig(_Section):

@@ -16,7 +16,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from ...handlers import loss
 from ..core import config, dataset, layout
@@ -36,6 +36,15 @@ from .observe import Fingerprint, observe, sigs_digest
 from .steps import Steps
 
 Emit = Callable[..., None]
+
+
+class BatchPath(Protocol):
+    """Batch mode (daemon/service/batch.py), as jobs sees it."""
+
+    def carries(self, set_id: str) -> bool: ...
+    def wants(self, key: layout.SetKey) -> bool: ...
+    def enqueue(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
+                attempts: int) -> None: ...
 
 
 class Abandoned(Exception):
@@ -148,9 +157,12 @@ class Jobs:
         self.abort = threading.Event()  # abandon jobs waiting to retry
         self.failures = 0  # sets failed or refused (--once exit code)
         self.pool = ThreadPoolExecutor(cfg.loss.concurrency, thread_name_prefix="loss")
+        self.batch: BatchPath | None = None  # set by the daemon: runs in batch mode
 
     def submit(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
                attempts: int) -> None:
+        if self.batch is not None and self.batch.carries(key.id):
+            return  # gathered or in a provider batch: its result comes from there
         job_id = uuid.uuid4().hex[:12]
         self.state.update(key.id, SetState.QUEUED, reason=None, fingerprint=fp.as_json(),
                           attempts=attempts)
@@ -159,6 +171,16 @@ class Jobs:
         future = self.claims.start_job(
             key.id, lambda: self.pool.submit(self._run_job, key, work, fp, job_id, attempts))
         future.add_done_callback(log.report_task_failure)
+
+    def run_result(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
+                   attempts: int, finish: Callable[[], loss.LossResult]) -> Future[None]:
+        """A batch's result for a set, checked and written on a worker exactly like
+        a live job's reply: `finish` stands in for prepare -> complete -> finish."""
+        job_id = uuid.uuid4().hex[:12]
+        future = self.claims.start_job(key.id, lambda: self.pool.submit(
+            self._run_job, key, work, fp, job_id, attempts, finish))
+        future.add_done_callback(log.report_task_failure)
+        return future
 
     def hold_if_over_budget(self, key: layout.SetKey) -> bool:
         """Over budget: the set is held (or its report stays stale) instead of run."""
@@ -170,12 +192,12 @@ class Jobs:
         return True
 
     def _run_job(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint, job_id: str,
-                 attempts: int) -> None:
+                 attempts: int, finish: Callable[[], loss.LossResult] | None = None) -> None:
         try:
             # Context for every line this job logs, in this worker thread.
             with log.bound_job(job_id=job_id, **key.log_fields()):
                 try:
-                    self._run_loss(key, work, fp, attempts)
+                    self._run_loss(key, work, fp, attempts, finish)
                 except Exception:
                     self.log.exception("loss.failed", reason="internal error")
                     self._fail(key, fp, attempts, "internal error")
@@ -185,10 +207,12 @@ class Jobs:
             self.steps.check(key.step_key)
             self.heartbeat.beat()
 
-    def _still_wanted(self, key: layout.SetKey, fp: Fingerprint) -> bool:
+    def _still_wanted(self, key: layout.SetKey, fp: Fingerprint, paid: bool = False) -> bool:
         """Is a queued job still to run, now that it has a worker?"""
         if self.stopping.is_set():
             return False
+        if paid:
+            return True  # a batch reply, paid for: its own check compares the input hashes
         if sigs_digest(observe(key, self.runs, self.cfg.paths.data).sigs) != fp.sigs:
             # Changed while queued: the settle wait starts again.
             self.look_again(key, None)
@@ -197,8 +221,11 @@ class Jobs:
         return not self.hold_if_over_budget(key)
 
     def _run_loss(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-                  attempts: int) -> None:
-        if not self._still_wanted(key, fp):
+                  attempts: int, finish: Callable[[], loss.LossResult] | None = None) -> None:
+        if not self._still_wanted(key, fp, paid=finish is not None):
+            return
+        if finish is None and self.batch is not None and self.batch.wants(key):
+            self.batch.enqueue(key, work, fp, attempts)  # its run is in batch mode
             return
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=work, scripts_dir=key.scripts_dir(self.runs),
@@ -214,13 +241,8 @@ class Jobs:
                       error=str(error))
 
         try:
-            result = loss.run(job, settings=self.cfg.llm, templates=self.templates,
-                              on_leak=self.cfg.integrity.on_leak,
-                              on_contradiction=self.cfg.integrity.on_contradiction,
-                              refuse_share=self.cfg.integrity.refuse_share, confine_to=self.runs,
-                              answer_key=self.cfg.paths.data,
-                              hooks=loss.LossHooks(started=started, retry=retry),
-                              complete=self.complete, sleep=self._interruptible_sleep)
+            # A batch result brings its own finish; a live job prepares, calls, finishes.
+            result = finish() if finish is not None else self._live(job, started, retry)
         except InputsChangedError as e:
             # Not a report of what is on disk now: nothing written, the step
             # not counted; the set settles again and is made anew.
@@ -256,6 +278,16 @@ class Jobs:
             self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
             return
         self._completed(key, fp, result)
+
+    def _live(self, job: loss.LossJob, started: Callable[[int, int | None], None],
+              retry: Callable[[int, float, BaseException], None]) -> loss.LossResult:
+        return loss.run(job, settings=self.cfg.llm, templates=self.templates,
+                        on_leak=self.cfg.integrity.on_leak,
+                        on_contradiction=self.cfg.integrity.on_contradiction,
+                        refuse_share=self.cfg.integrity.refuse_share, confine_to=self.runs,
+                        answer_key=self.cfg.paths.data,
+                        hooks=loss.LossHooks(started=started, retry=retry),
+                        complete=self.complete, sleep=self._interruptible_sleep)
 
     def _completed(self, key: layout.SetKey, fp: Fingerprint, result: loss.LossResult) -> None:
         c = result.completion

@@ -37,6 +37,7 @@ from ..guard import leakguard
 from ..infra import llm, log
 from ..infra.state import SetState, StateStore
 from . import metrics_runs
+from .batch import Batcher
 from .discovery import Discovery
 from .jobs import Budget, Claims, Jobs
 from .loop import Loop
@@ -53,8 +54,7 @@ ONCE_SETTLE_ROUNDS = 5  # --once: rescans after a settle wait before it gives up
 
 
 class Daemon:
-    """The service: builds its parts and runs their life. Construction is
-    cheap; `start()` does the work."""
+    """The service: builds its parts cheaply; `start()` and the rest run their life."""
 
     def __init__(self, cfg: config.Config, *, once: bool = False,
                  runs_existed: bool | None = None) -> None:
@@ -103,6 +103,7 @@ class Daemon:
                                     discovery=self.discovery, jobs=self.jobs, steps=self.steps,
                                     templates=self.templates, heartbeat=self.heartbeat,
                                     scanned=self._scanned, once=once)
+        self.jobs.batch = self.batcher = _batcher(self)  # jobs hands it batch-mode sets
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.reconcile.schedule_scan)
         metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
@@ -146,13 +147,13 @@ class Daemon:
         self.discovery.load_works()
         _install_answer_keys(self.cfg.paths.data, self.emit)
         self.discovery.check_human_ranges()
-        problem = self.state.load()
-        if problem:
+        if problem := self.state.load():
             self.emit("state.unreadable", level="error", path=str(self.state.path),
                       reason=f"{problem}; rebuilt from runs/")
         if self.cfg.metrics.listen and not self.once:
             self.metrics.serve(self.cfg.metrics.listen)  # a bad address stops us here (exit 2)
         self.scheduler.start()
+        self.batcher.start()  # before the first scan: sets in open batches are not sent again
         if self.once:
             self.reconcile.scan()
             self._ready()
@@ -250,8 +251,7 @@ class Daemon:
                 continue
             self._flush_state()
             leakguard.installed()  # an idle daemon still picks up (and says) a key's edit
-            line = _status_line(self.state)
-            if line != last_status:
+            if (line := _status_line(self.state)) != last_status:
                 self.notifier.status(line)
                 last_status = line
 
@@ -298,7 +298,7 @@ class Daemon:
         wait for a writer that never stops.
         """
         for rounds in range(ONCE_SETTLE_ROUNDS + 1):
-            self.jobs.wait_all()
+            self.batcher.wait_idle(self.jobs.wait_all, self.stop_event)  # and its batches
             self.steps.wait_optimizers()
             rescan_at = self.reconcile.once_rescan_at
             if rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
@@ -317,15 +317,16 @@ class Daemon:
         running = sum(1 for f in jobs if f.running())
         self.emit("daemon.stopping", reason=reason, running=running, queued=len(jobs) - running)
         self.notifier.stopping()
-        # 1. intake: no new events, evaluations, scans or jobs; jobs waiting to
-        #    retry give up and jobs not started are cancelled (all are found
-        #    again at the next start), like an optimizer run not started yet
+        # 1. intake: no new events, scans, jobs or batches; jobs waiting to retry give up,
+        #    jobs not started are cancelled, open batches stay recorded (all found again
+        #    at the next start), like an optimizer run not started yet
         self.stop_event.set()
         self.jobs.stop_intake()
         self.watcher.stop()
         with contextlib.suppress(Exception):
             self.scheduler.shutdown(wait=False)
         self.steps.stop_intake()
+        self.batcher.stop()
         # 2. running jobs and the optimizer may finish (their writes are atomic)
         #    up to the bound; a cancelled optimizer is retried at the next start
         deadline = time.monotonic() + self.cfg.daemon.shutdown_timeout_s
@@ -362,6 +363,17 @@ class Daemon:
         except OSError as e:
             self._state_write_failed(e)
         self.state.close()
+
+
+def _batcher(daemon: Daemon) -> Batcher:
+    """Batch mode's part, wired to the daemon's (jobs hands it sets, it hands back results)."""
+    batcher = Batcher(daemon.cfg, daemon.state, daemon.emit, stopping=daemon.stop_event,
+                      templates=daemon.templates, works=lambda: daemon.discovery.works,
+                      expected_sets=lambda step: list(daemon.discovery.sets_of_step(step)),
+                      run_result=daemon.jobs.run_result,
+                      look_again=lambda key, when: daemon.reconcile.look_again(key, when))
+    daemon.metrics.register(metrics_runs.BatchGauges(batcher.snapshot))
+    return batcher
 
 
 def _status_line(state: StateStore) -> str:
@@ -405,6 +417,11 @@ def preflight(cfg: config.Config, *, once: bool = False) -> None:
                               "command is needed to write each step")
         writer.check_command(cfg.writer.command)
     llm.check_credentials(cfg.llm)
+    if cfg.llm.mode == "batch":
+        from ..infra.batch_api import supported
+
+        if why := supported(cfg.llm):
+            raise ConfigError(f"[llm] mode = \"batch\": {why}")
 
 
 class _InotifyStopRace(logging.Filter):

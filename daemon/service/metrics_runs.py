@@ -125,6 +125,30 @@ def install(metrics: Metrics, cfg: config.Config, state: StateStore,
     metrics.register(WatcherGauge(watcher_kind, cfg.watch.observer))
 
 
+# Item states always exported (at 0 too), so a dashboard's series exist from the start.
+BATCH_ITEM_STATES = ("gathering", "waiting", "handling")
+
+
+class BatchGauges(Collector):
+    """skilltrain_batches_open and skilltrain_batch_items{state} (daemon/service/batch.py)."""
+
+    def __init__(self, snapshot: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        open_batches, items = self.snapshot()
+        yield GaugeMetricFamily(f"{PREFIX}_batches_open",
+                                "provider batches submitted and not yet closed",
+                                value=open_batches)
+        gauge = GaugeMetricFamily(f"{PREFIX}_batch_items",
+                                  "sets in batch mode: gathering, waiting (in an open "
+                                  "batch), handling (result on a worker), or the state "
+                                  "a handled result left the set in", labels=["state"])
+        for state in sorted(set(BATCH_ITEM_STATES) | set(items)):
+            gauge.add_metric([state], items.get(state, 0))
+        yield gauge
+
+
 class WatcherGauge(Collector):
     """skilltrain_watcher_mode{mode, configured}: native or polling, and what was asked."""
 

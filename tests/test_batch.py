@@ -1,0 +1,223 @@
+"""Batch mode against a loopback OpenAI files + batches API (tests/batch_server.py).
+
+A real in-process daemon, litellm over HTTP, real files: a step's ready sets
+go out as one batch, each result is checked like a live reply, failed items
+are retried, expired and cancelled batches send their unfinished sets again,
+and a changed input discards the reply.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.batch_server import BatchPlan, BatchServer
+from tests.daemon_helpers import (
+    Workspace,
+    build_workspace,
+    human_screenplays,
+    model_episode,
+    wait_until,
+)
+from tests.daemon_marks import DAEMON_TEST_MARKS
+
+pytestmark = DAEMON_TEST_MARKS
+
+PRICED = "openai/gpt-4o-mini"  # litellm's cost map has its batch price
+FAST = {"batch_gather_s": 0.3, "batch_poll_s": 0.1, "batch_poll_max_s": 0.3}
+
+
+@pytest.fixture
+def server() -> Iterator[BatchServer]:
+    with BatchServer() as s:
+        yield s
+
+
+def workspace(tmp_path: Path, server: BatchServer, *, model: str = PRICED,
+              run_toml: dict[str, str] | None = None, **llm: Any) -> Workspace:
+    keys = {**FAST, "mode": "batch", **llm}
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+    ws = build_workspace(tmp_path, server.url, works={"alpha": 6, "beta": 3}, settle_s=0.2,
+                         retry_backoff_s=0.2)
+    text = ws.config_path.read_text(encoding="utf-8")
+    text = text.replace('model = "openai/loopback-model"\n', f'model = "{model}"\n' + extra)
+    ws.config_path.write_text(text, encoding="utf-8")
+    return ws
+
+
+def records(ws: Workspace) -> list[Path]:
+    return sorted(ws.runs.glob("*/loss/.batches/*.json"))
+
+
+def all_reported(ws: Workspace, run: str = "r1") -> Callable[[], bool]:
+    return lambda: all(ws.has_report(s) for s in ws.sets_of_step(run, 0, 0))
+
+
+def test_a_step_goes_as_one_batch_priced_at_the_batch_price(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server)
+    sets = ws.write_step("r1", 0, 0, success=True)
+    d = start(ws)
+    wait_until(lambda: ws.events("step.reported"), 60, message="step.reported")
+    assert server.creates == 1 and server.live_requests == 0
+    assert sorted(line["custom_id"] for line in server.request_lines()) == [
+        f"s{n:04d}" for n in range(len(sets))]
+    batch_id = server.batch_list()[0].id
+    from skilltrain.daemon.infra import llm
+
+    info = llm.litellm().get_model_info(PRICED)
+    for s in sets:
+        side = ws.read_sidecar(s)
+        assert side["mode"] == "batch" and side["batch_id"] == batch_id
+        batch = (side["tokens_in"] * info["input_cost_per_token_batches"]
+                 + side["tokens_out"] * info["output_cost_per_token_batches"])
+        live = (side["tokens_in"] * info["input_cost_per_token"]
+                + side["tokens_out"] * info["output_cost_per_token"])
+        assert side["cost_usd"] == pytest.approx(batch) and batch == pytest.approx(live / 2)
+    spent = d.daemon.state.spend["r1"].cost_usd
+    assert spent == pytest.approx(sum(ws.read_sidecar(s)["cost_usd"] for s in sets))
+    assert [e["batch_id"] for e in ws.events("batch.submitted")] == [batch_id]
+    assert ws.events("batch.completed")[0]["replies"] == len(sets)
+    wait_until(lambda: not records(ws), 10, message="the record removed once closed")
+
+
+def test_per_run_mode_in_run_toml(tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server, mode="live")
+    ws.write_step("cheap", 0, 0, success=True)
+    ws.write_step("urgent", 0, 0, success=True)
+    (ws.runs / "cheap" / "run.toml").write_text('[llm]\nmode = "batch"\n', encoding="utf-8")
+    start(ws)
+    wait_until(lambda: len(ws.events("step.reported")) == 2, 60, message="both steps")
+    assert server.creates == 1
+    assert {line["custom_id"] for line in server.request_lines()} == {"s0000", "s0001", "s0002"}
+    assert server.live_requests == 3  # the urgent run's three sets
+    assert all(ws.read_sidecar(s).get("mode") == "batch" for s in ws.sets_of_step("cheap", 0, 0))
+    assert all("mode" not in ws.read_sidecar(s) for s in ws.sets_of_step("urgent", 0, 0))
+
+
+def _first_request_of(work: str) -> Callable[[dict[str, Any]], bool]:
+    seen: set[str] = set()
+
+    def fail(line: dict[str, Any]) -> bool:
+        text = json.dumps(line["body"]["messages"])
+        if f"work={work} ep=1" in text and work not in seen:
+            seen.add(work)
+            return True
+        return False
+    return fail
+
+
+@pytest.mark.parametrize("failed_to", ["batch", "live"])
+def test_a_failed_item_is_retried_and_its_error_text_is_guarded(
+        tmp_path: Path, server: BatchServer, start: Any, failed_to: str) -> None:
+    ws = workspace(tmp_path, server, batch_failed=failed_to)
+    leaked = " ".join(human_screenplays("alpha", 6)[2].split()[:40])  # a passage of the key
+    server.plan = BatchPlan(fail=_first_request_of("alpha"), fail_message=f"bad: {leaked}")
+    ws.write_step("r1", 0, 0, success=True)
+    start(ws)
+    wait_until(all_reported(ws), 60, message="every set reported after the retry")
+    failed = ws.events("loss.failed")
+    assert len(failed) == 1 and "withheld" in failed[0]["reason"]
+    assert leaked.split()[5] not in ws.log_file.read_text(encoding="utf-8")
+    assert server.creates == (2 if failed_to == "batch" else 1)
+    assert server.live_requests == (1 if failed_to == "live" else 0)
+
+
+def test_an_expired_batch_sends_its_unanswered_sets_again(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server)
+    server.plan = BatchPlan(end="expired", answered=1)
+    ws.write_step("r1", 0, 0, success=True)
+    start(ws)
+    wait_until(lambda: ws.events("batch.expired"), 60, message="batch.expired")
+    server.plan = BatchPlan()
+    wait_until(all_reported(ws), 60, message="every set reported")
+    assert ws.events("batch.expired")[0]["unanswered"] == 2
+    assert server.creates == 2 and len(server.billed) == 3  # each set paid once
+    assert not ws.events("loss.failed")  # not an attempt used up
+
+
+def test_cancel_file_cancels_and_sends_the_sets_live(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server)
+    server.plan = BatchPlan(latency_s=3600)
+    ws.write_step("r1", 0, 0, success=True)
+    start(ws)
+    wait_until(lambda: ws.events("batch.submitted"), 60, message="batch.submitted")
+    from skilltrain.daemon.service.batch import write_cancel_file
+
+    write_cancel_file(ws.runs, "r1", live=True)
+    wait_until(all_reported(ws), 60, message="every set reported live")
+    assert server.cancels == 1 and ws.events("batch.cancelled")
+    assert server.live_requests == 3 and server.creates == 1 and not server.billed
+    assert not (ws.runs / "r1" / "CANCEL_BATCH").exists()
+
+
+def test_inputs_changed_since_the_batch_was_sent_discard_the_reply(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server)
+    server.plan = BatchPlan(latency_s=1.5)
+    sets = ws.write_step("r1", 0, 0, works=["beta"], success=True)
+    ws.write_step("r1", 0, 0, works=["alpha"], success=True)
+    start(ws)
+    wait_until(lambda: ws.events("batch.submitted"), 60, message="batch.submitted")
+    scripts = ws.scripts("r1", 0, 0, "beta")
+    (scripts / "ep02.txt").write_text(model_episode("r1", 0, 0, "beta", 2, version=1),
+                                      encoding="utf-8")
+    wait_until(lambda: ws.events("loss.discarded"), 60, message="loss.discarded")
+    wait_until(all_reported(ws), 60, message="redone")
+    side = ws.read_sidecar(sets[0])
+    assert side["model_episodes"]["ep02.txt"] == __import__("hashlib").sha256(
+        (scripts / "ep02.txt").read_bytes()).hexdigest()
+    assert server.creates == 2
+
+
+def test_a_model_without_a_batch_price_says_so(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server, model="openai/loopback-model")
+    sets = ws.write_step("r1", 0, 0, works=["beta"], success=True)
+    start(ws)
+    wait_until(lambda: ws.has_report(sets[0]), 60, message="reported")
+    side = ws.read_sidecar(sets[0])
+    assert side["cost_usd"] is None and side["mode"] == "batch"
+    assert "cost unknown" in side["cost_note"]
+
+
+def test_a_restart_resumes_polling_and_pays_once(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server)
+    server.plan = BatchPlan(latency_s=2.0)
+    ws.write_step("r1", 0, 0, success=True)
+    first = start(ws)
+    wait_until(lambda: ws.events("batch.submitted"), 60, message="batch.submitted")
+    first.stop()
+    assert len(records(ws)) == 1
+    start(ws)
+    wait_until(all_reported(ws), 60, message="reported after the restart")
+    assert server.creates == 1 and len(server.billed) == 3
+    assert len(ws.events("step.reported")) == 1
+
+
+def test_a_result_already_written_is_not_written_again(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    """A restart between a report's write and its record's update: not written twice."""
+    ws = workspace(tmp_path, server)
+    server.plan = BatchPlan(latency_s=1.0)
+    sets = ws.write_step("r1", 0, 0, works=["beta"], success=True)
+    first = start(ws)
+    wait_until(lambda: ws.events("batch.submitted"), 60, message="batch.submitted")
+    record = records(ws)[0]
+    saved = record.read_text(encoding="utf-8")  # open, no outcome yet
+    wait_until(lambda: ws.has_report(sets[0]) and not records(ws), 60, message="closed")
+    first.stop()
+    written = ws.sidecar(sets[0]).stat().st_mtime_ns
+    record.write_text(saved, encoding="utf-8")
+    start(ws)
+    wait_until(lambda: not records(ws), 60, message="closed again")
+    assert ws.sidecar(sets[0]).stat().st_mtime_ns == written
+    assert ws.events("batch.completed")[-1]["written_before"] == 1
+    assert server.creates == 1 and len(server.billed) == 1
