@@ -23,6 +23,7 @@ from pydantic import (
     Strict,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .errors import ConfigError
@@ -64,9 +65,25 @@ class LLMConfig(_Section):
 class LossConfig(_Section):
     episodes_per_report: int = Field(3, ge=1)
     settle_seconds: float = Field(30.0, ge=0)
-    concurrency: int = Field(4, ge=1, le=256)
+    # A number: that many calls at once, fixed (each backs off on its own).
+    # "adaptive": per endpoint, between the two bounds below (daemon/llm_limit.py).
+    concurrency: Annotated[int, Field(ge=1, le=1024)] | Literal["adaptive"] = "adaptive"
+    concurrency_min_calls: int = Field(1, ge=1, le=1024)
+    concurrency_max_calls: int = Field(64, ge=1, le=1024)
     max_attempts: int = Field(5, ge=1)
     retry_backoff_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> LossConfig:
+        if self.concurrency_min_calls > self.concurrency_max_calls:
+            raise ValueError(f"concurrency_min_calls ({self.concurrency_min_calls}) is above "
+                             f"concurrency_max_calls ({self.concurrency_max_calls})")
+        return self
+
+    @property
+    def fixed_concurrency(self) -> int | None:
+        """The fixed number of calls at once, or None when adaptive."""
+        return self.concurrency if isinstance(self.concurrency, int) else None
 
 
 class WatchConfig(_Section):

@@ -29,7 +29,7 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..handlers import loss, optimizer
-from . import atomic, config, dataset, layout, llm, log, notify
+from . import atomic, config, dataset, layout, llm, llm_loop, log, notify
 from .discovery import Discovery, subdirs
 from .errors import ConfigError, ExitCode
 from .jobs import Budget, Claims, Jobs
@@ -91,9 +91,9 @@ class Daemon:
         self.steps = Steps(cfg, self.state, self.emit, clock=self.clock, loop=self.loop,
                            expected_sets=lambda step: list(self.discovery.sets_of_step(step)))
         self.jobs = Jobs(cfg, self.state, self.emit, clock=self.clock, stopping=self.stop_event,
-                         templates=self.templates, complete=self.metrics.timed(llm.complete),
+                         templates=self.templates, metrics=self.metrics,
                          steps=self.steps, budget=self.budget, claims=Claims(),
-                         heartbeat=self.heartbeat,
+                         heartbeat=self.heartbeat, llm_loop=llm_loop.shared(),
                          look_again=lambda key, when: self.reconcile.look_again(key, when),
                          settle_again=lambda key: self.reconcile.settle_again(key))
         self.reconcile = Reconciler(cfg, self.state, self.emit, clock=self.clock,
@@ -310,7 +310,7 @@ class Daemon:
     def shutdown(self, reason: str) -> None:
         """Stop intake, drain running jobs up to the bound, abandon the rest."""
         jobs = self.jobs.claims.jobs()
-        running = sum(1 for f in jobs if f.running())
+        running = min(self.jobs.in_call, len(jobs))
         self.emit("daemon.stopping", reason=reason, running=running, queued=len(jobs) - running)
         self.notifier.stopping()
         # 1. intake: no new events, evaluations, scans or jobs; jobs waiting to
@@ -330,13 +330,13 @@ class Daemon:
             with contextlib.suppress(Exception):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
         self.loop.stop(max(0.0, deadline - time.monotonic()))  # a killed writer reruns at start
-        # 3. what is still running (inside an LLM call) is abandoned: it dies
-        #    with the process, and its writes are atomic, so nothing is partial
+        # 3. still in an LLM call: abandoned, its request cancelled (writes are atomic)
         self.steps.kill_optimizer.set()
         for future in self.steps.optimizer_runs():
             with contextlib.suppress(Exception):
                 future.result(timeout=5)
         abandoned = sum(1 for f in futures if not f.done())
+        self.jobs.cancel_running()  # their requests are cancelled: no call outlives the bound
         self._close_state()
         counts = self.state.counts()
         self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",

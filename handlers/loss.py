@@ -110,31 +110,70 @@ class LossHooks:
     retry: llm.RetryHook | None = None
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A job read, checked and rendered: what the call needs and what the checks after it need."""
+
+    job: LossJob
+    settings: LLMConfig
+    messages: list[llm.Message]
+    prompt: str
+    prompt_tokens: int | None
+    archive: str
+    skeleton_fields: dict[str, str]
+    placeholder: str
+    slot: str
+    model_block: str
+    template: Any
+    hashes: InputHashes
+    human: dict[int, str]
+    model: dict[int, str]
+    all_human: dict[int, str]
+    read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]]
+    on_leak: str
+    started_at: datetime
+    t0: float
+
+
 def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         on_leak: str = "redact", confine_to: Path | None = None,
         answer_key: Path | None = None, hooks: LossHooks | None = None,
         complete: CompleteFn = llm.complete,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
     """Write the difference report for episodes job.first..job.last.
 
     Raises RefusedError (bad input or output: nothing written), LLMError
     (the call failed for good: nothing written) or ConfigError (template).
     `answer_key` (default: the work's human/ folder): no model episode may
-    be read from inside it, through any link.
+    be read from inside it, through any link. The daemon runs the same
+    three steps apart (prepare and finish in its pool, the call on the LLM
+    loop): see daemon/jobs.py.
     """
     hooks = hooks or LossHooks()
+    prepared = prepare(job, settings=settings, templates=templates, on_leak=on_leak,
+                       confine_to=confine_to, answer_key=answer_key, now=now)
+    hooks.started(len(prepared.prompt), prepared.prompt_tokens)
+    completion = complete(prepared.messages, settings, on_retry=hooks.retry, sleep=sleep)
+    return finish(prepared, completion, now=now)
+
+
+def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
+            on_leak: str = "redact", confine_to: Path | None = None,
+            answer_key: Path | None = None,
+            now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> Prepared:
+    """Read the inputs, refuse what must not be sent, render the prompt: nothing is written."""
     started_at, t0 = now(), time.monotonic()
     window = llm.max_input_tokens(settings.model)
     # A model litellm knows no window for (a local server's) still gets a bound.
     max_bytes = window * MAX_BYTES_PER_TOKEN if window else UNKNOWN_WINDOW_MAX_BYTES
 
-    answer_key = answer_key or job.work.human_dir
+    key_dir = answer_key or job.work.human_dir
 
     def read_inputs() -> tuple[dict[int, str], dict[int, str]]:
         return (job.work.read_human(job.first, job.last, max_bytes=max_bytes),
                 dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
-                                   confine_to=confine_to, answer_key=answer_key,
+                                   confine_to=confine_to, answer_key=key_dir,
                                    max_bytes=max_bytes))
 
     human, model = read_inputs()
@@ -157,11 +196,22 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     placeholder = _placeholder(human)
     archive = template.render(human_scripts=placeholder, **fields)
     messages = build_messages(prompt, model_block, settings.model)
-
     prompt_tokens = _check_window(messages, settings.model, window, job)
-    hooks.started(len(prompt), prompt_tokens)
+    return Prepared(job=job, settings=settings, messages=messages, prompt=prompt,
+                    prompt_tokens=prompt_tokens, archive=archive, skeleton_fields=fields,
+                    placeholder=placeholder, slot=slot, model_block=model_block,
+                    template=template, hashes=hashes, human=human, model=model,
+                    all_human=all_human, read_inputs=read_inputs, on_leak=on_leak,
+                    started_at=started_at, t0=t0)
 
-    completion = complete(messages, settings, on_retry=hooks.retry, sleep=sleep)
+
+def finish(p: Prepared, completion: llm.Completion, *,
+           now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
+    """Check the reply, guard it, re-read the inputs, then write all three files at once.
+
+    Nothing of the reply is written before every check has passed.
+    """
+    job, settings, template = p.job, p.settings, p.template
     report = completion.text.strip()
     if not report:
         raise BadOutputError(f"the model returned an empty report for {job.work.name} "
@@ -175,16 +225,18 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                            f"{completion.tokens_out:,} tokens out)")
 
     # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
-    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
-    report, leaks = _guard(report, job, key_index, model, on_leak)
-    skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
-    if _archive_leaks(archive, skeleton, slot, model_block, key_index):
+    key_index = leakguard.index_for(job.work.name, {**p.all_human, **p.human})
+    report, leaks = _guard(report, job, key_index, p.model, p.on_leak)
+    skeleton = template.render(human_scripts=p.placeholder,
+                               **{**p.skeleton_fields, "model_scripts": p.slot})
+    if _archive_leaks(p.archive, skeleton, p.slot, p.model_block, key_index):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
         raise RefusedError(f"template {template.path} renders human screenplay "
                            "text outside human_scripts; the prompt archive is not written")
     report_text = report + "\n"
-    duration_ms = int((time.monotonic() - t0) * 1000)
+    duration_ms = int((time.monotonic() - p.t0) * 1000)
+    hashes, human, model, prompt = p.hashes, p.human, p.model, p.prompt
     sidecar = {
         "schema": SIDECAR_SCHEMA,
         "work": job.work.name,
@@ -208,20 +260,20 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         # A progress indicator beside the report, never part of the training signal.
         **craft_distance.of_episodes(human, model, human_digest=hashes.human).sidecar_fields(),
         "prompt_chars": len(prompt),
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": p.prompt_tokens,
         "duration_ms": duration_ms,
-        "started_at": started_at.isoformat(),
+        "started_at": p.started_at.isoformat(),
         "finished_at": now().isoformat(),
     }
-    _check_unchanged(job, hashes, read_inputs)
+    _check_unchanged(job, hashes, p.read_inputs)
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
-    atomic.write_all({job.archive_path: archive, job.report_path: report_text,
+    atomic.write_all({job.archive_path: p.archive, job.report_path: report_text,
                       job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"})
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
                       hashes=hashes, completion=completion, prompt_chars=len(prompt),
-                      prompt_tokens=prompt_tokens, leaks_redacted=leaks,
+                      prompt_tokens=p.prompt_tokens, leaks_redacted=leaks,
                       duration_ms=duration_ms, sidecar=sidecar)
 
 
