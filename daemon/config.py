@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -249,8 +250,15 @@ def _apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]
 
 def _describe(error: ValidationError, from_env: Mapping[str, str]) -> str:
     """The first validation error as one line: key, value, what is allowed."""
-    first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+    errors = error.errors()
+    first = errors[0]
+    loc = _key_path(first["loc"])
+    # A key that may be one of two types ([loss] concurrency: a number or
+    # "adaptive") fails once per type: a value of the right type but out of
+    # range says the range; a value of neither type says what each accepts.
+    same_key = [e for e in errors if _key_path(e["loc"]) == loc]
+    in_type = [e for e in same_key if not str(e["type"]).endswith(_WRONG_TYPE)]
+    msg = ", or ".join(dict.fromkeys(str(e["msg"]) for e in (in_type[:1] or same_key)))
     key = f"[{loc[0]}] {'.'.join(loc[1:])}" if len(loc) > 1 else loc[0]
     if first["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[:-1])
@@ -263,7 +271,16 @@ def _describe(error: ValidationError, from_env: Mapping[str, str]) -> str:
     origin = ""
     if len(loc) == 2 and loc[0] == "llm" and loc[1] in from_env:
         origin = f" (from the environment variable {from_env[loc[1]]})"
-    return f"{key} = {value!r}{origin}: {first['msg']}"
+    return f"{key} = {value!r}{origin}: {msg}"
+
+
+_WRONG_TYPE = ("_type", "_parsing", "literal_error")
+_UNION_MEMBER = re.compile(r"constrained-\w+|literal\[.*\]|int|str|float|bool")
+
+
+def _key_path(loc: tuple[int | str, ...]) -> list[str]:
+    """The error's location as config keys, without pydantic's union-member tags."""
+    return [str(p) for p in loc if not _UNION_MEMBER.fullmatch(str(p))]
 
 
 def _allowed_keys(section: list[str]) -> list[str]:
