@@ -10,7 +10,7 @@ One loop for the whole process, started on first use: litellm caches its
 async HTTP clients per event loop, so a loop per call (asyncio.run) would
 build a client per call and leave their sockets to the garbage collector.
 
-Threads: the loop itself (1), its default executor (up to 4), litellm's
+Threads: the loop itself (1), its default executor (up to 2), litellm's
 logging executor (bounded by LOGGING_EXECUTOR_MAX_THREADS, set in llm.py).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-DEFAULT_EXECUTOR_THREADS = 4
+DEFAULT_EXECUTOR_THREADS = 2  # litellm's sync request building is GIL-bound
 
 
 class LLMLoop:
