@@ -50,7 +50,8 @@ import asyncio, json, os, sys, time
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import litellm
 litellm.suppress_debug_info = True
-model, api_base, n, c, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+model, api_base, path = sys.argv[1], sys.argv[2], sys.argv[5]
+n, c = int(sys.argv[3]), int(sys.argv[4])
 messages = json.load(open(path))
 
 async def main():

@@ -188,11 +188,15 @@ class Limiter:
     def _pace(self, headers: Mapping[str, str]) -> None:
         """Slow down before the wall: the provider says its window is nearly spent."""
         window = read_rate_headers(headers)
-        if window.requests_left is not None and window.requests_left <= self.in_flight:
-            self._hold(window.requests_reset_s or HOLD_WITHOUT_RESET_S, "requests nearly spent")
-        if window.tokens_left is not None and self._tokens_per_call > 0 and (
-                window.tokens_left < self._tokens_per_call * (self.in_flight + 1)):
-            self._hold(window.tokens_reset_s or HOLD_WITHOUT_RESET_S, "tokens nearly spent")
+        short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
+        if window.requests_left is not None and short > 0:
+            self._hold(_refill_s(window.requests_reset_s, window.requests_limit,
+                                 window.requests_left, short), "requests nearly spent")
+        if window.tokens_left is not None and self._tokens_per_call > 0:
+            need = self._tokens_per_call * (self.in_flight + 1) - window.tokens_left
+            if need > 0:
+                self._hold(_refill_s(window.tokens_reset_s, window.tokens_limit,
+                                     window.tokens_left, need), "tokens nearly spent")
 
 
 class Slot:
@@ -228,11 +232,24 @@ class Slot:
                                  headers=headers, tokens=tokens)
 
 
+def _refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
+    """How long until `short` more units are free. Providers refill their window
+    continuously (x-ratelimit-reset-* is when it is full again): the wait for
+    a few units is that share of the reset time, not all of it."""
+    if reset_s is None:
+        return HOLD_WITHOUT_RESET_S
+    if limit is None or limit <= left:
+        return reset_s
+    return min(reset_s, reset_s * short / (limit - left))
+
+
 # ------------------------------------------------------------------ headers
 @dataclass(frozen=True)
 class RateWindow:
+    requests_limit: int | None = None
     requests_left: int | None = None
     requests_reset_s: float | None = None
+    tokens_limit: int | None = None
     tokens_left: int | None = None
     tokens_reset_s: float | None = None
 
@@ -251,6 +268,10 @@ def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
         return next((h[n] for n in names if n in h), None)
 
     return RateWindow(
+        requests_limit=_int(first("x-ratelimit-limit-requests",
+                                  "anthropic-ratelimit-requests-limit")),
+        tokens_limit=_int(first("x-ratelimit-limit-tokens", "anthropic-ratelimit-tokens-limit",
+                                "anthropic-ratelimit-input-tokens-limit")),
         requests_left=_int(first("x-ratelimit-remaining-requests",
                                  "anthropic-ratelimit-requests-remaining")),
         requests_reset_s=parse_reset(first("x-ratelimit-reset-requests",
