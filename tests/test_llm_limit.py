@@ -5,8 +5,10 @@ through litellm.acompletion on the daemon's LLM loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,10 +17,10 @@ from skilltrain.daemon import llm, llm_loop
 from skilltrain.daemon.config import LLMConfig
 from skilltrain.daemon.llm_limit import Limiter, Slot, endpoint_name, parse_reset, read_rate_headers
 from tests.conftest import LOOPBACK_MODEL
-from tests.daemon_helpers import release_llm_clients
+from tests.daemon_helpers import Start, build_workspace, release_llm_clients, wait_until
 from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.limited_llm_server import RateLimits
-from tests.llm_server import LLMServer
+from tests.llm_server import LLMServer, Reply
 
 pytestmark = DAEMON_TEST_MARKS
 MESSAGES = [{"role": "user", "content": "Compare these two screenplays. " * 20}]
@@ -257,3 +259,55 @@ def test_the_limit_halves_on_429s_and_grows_back() -> None:
     assert cut and cut[0] == 20, moves
     first_cut = moves.index(("rate limited", cut[0]))
     assert any(reason == "calls succeeded" for reason, _ in moves[first_cut:]), moves
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+def test_the_daemon_rides_a_rate_limited_provider_and_no_set_fails(
+    tmp_path: Path, start: Start
+) -> None:
+    """Adaptive (the default) against 6 requests/s with no retry within a job: a
+    call that meets a 429 ends its job, and the set is tried again later
+    without spending its attempts (max_attempts = 1 would otherwise fail it)."""
+    limits = RateLimits(requests_per_s=6)
+    with LLMServer(default=limits, latency=(0.1, 0.2)) as server:
+        ws = build_workspace(tmp_path, server.url, works={f"w{i}": 6 for i in range(6)},
+                             settle_s=0.0, concurrency="adaptive",  # type: ignore[arg-type]
+                             max_attempts=1, retry_backoff_s=0.2)
+        text = ws.config_path.read_text()
+        ws.config_path.write_text(text.replace("max_retries = 1", "max_retries = 0"))
+        sets = [s for step in (1, 2) for s in ws.write_step("r1", 1, step, success=True)]
+        start(ws)
+        wait_until(lambda: all(ws.has_report(s) for s in sets), 60, message="every report")
+    assert not ws.events("loss.failed") and not ws.events("loss.refused")
+    assert limits.limited > 0  # the provider's limit was met, not avoided by luck
+    deferred = ws.events("loss.rate_limited")
+    assert deferred and all(e["attempts"] == 0 for e in deferred)
+    moves = ws.events("llm.limit_changed")
+    assert moves and all(m["endpoint"].startswith("loopback-model@127.0.0.1:") for m in moves)
+    assert len(moves) < limits.served  # one line per move, not per call
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _our_threads() -> int:
+    """Threads of this process but the loopback server's (one per connection)."""
+    return sum(1 for t in threading.enumerate()
+               if "process_request" not in t.name and "llm-server" not in t.name)
+
+
+def test_a_call_past_the_whole_request_timeout_is_cancelled_and_leaves_no_thread() -> None:
+    with LLMServer() as server:
+        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout=0.5,
+                             max_retries=0, backoff_initial_s=0.01, backoff_max_s=0.01)
+        llm.complete(MESSAGES, settings)  # the loop, its executor and the client exist now
+        before = _our_threads()
+        server.script(*[Reply.trickle(every_s=0.1)] * 3)  # a byte each 0.1 s: no read timeout
+        t0 = time.monotonic()
+        for _ in range(3):
+            with pytest.raises(llm.LLMError, match="within 0.5s"):
+                llm.complete(MESSAGES, settings)
+        assert time.monotonic() - t0 < 3 * 0.5 + 1.0
+        assert _our_threads() <= before  # no helper thread per call, none left behind
