@@ -88,7 +88,9 @@ def limiter(**kw: Any) -> tuple[Limiter, list[dict[str, Any]], Clock]:
 
 
 def run(coro: Any) -> Any:
-    return asyncio.run(coro)
+    # On the daemon's loop: asyncio.run() would replace (and orphan) a loop
+    # another library may have made for the main thread.
+    return llm_loop.shared().run(coro)
 
 
 def test_slow_start_doubles_then_a_429_halves_once_per_episode_then_it_grows_by_one() -> None:
@@ -311,3 +313,27 @@ def test_a_call_past_the_whole_request_timeout_is_cancelled_and_leaves_no_thread
                 llm.complete(MESSAGES, settings)
         assert time.monotonic() - t0 < 3 * 0.5 + 1.0
         assert _our_threads() <= before  # no helper thread per call, none left behind
+
+
+def test_prometheus_gets_each_endpoints_limit_in_flight_and_rate_limited_replies() -> None:
+    from prometheus_client import generate_latest
+
+    from skilltrain.daemon.llm_limit import Limiters
+    from skilltrain.daemon.metrics import Metrics
+
+    limiters = Limiters(fixed=None, ceiling=64)
+    metrics = Metrics(lambda: {}, [])
+    metrics.watch_limiters(limiters)
+    lim = limiters.for_endpoint("openai/gpt-4o-mini", "http://127.0.0.1:8000/v1")
+
+    async def scenario() -> None:
+        g = await lim.acquire()
+        await lim.acquire()
+        lim.release(g, "rate_limited")
+
+    run(scenario())
+    text = generate_latest(metrics.registry).decode()
+    label = 'endpoint="gpt-4o-mini@127.0.0.1:8000"'
+    assert f"skilltrain_llm_concurrency_limit{{{label}}} 2.0" in text
+    assert f"skilltrain_llm_calls_in_flight{{{label}}} 1.0" in text
+    assert f"skilltrain_llm_rate_limited_responses_total{{{label}}} 1.0" in text
