@@ -158,7 +158,7 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
         refuse_share: float = craft_claims.REFUSE_SHARE, confine_to: Path | None = None,
         answer_key: Path | None = None, hooks: LossHooks | None = None,
         complete: CompleteFn = llm.complete,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> LossResult:
     """Write the difference report for episodes job.first..job.last:
     prepare, one live completion, finish.
@@ -172,7 +172,9 @@ def run(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     Raises RefusedError (bad input or output: nothing written), LLMError
     (the call failed for good: nothing written) or ConfigError (template).
     `answer_key` (default: the work's human/ folder): no model episode may
-    be read from inside it, through any link.
+    be read from inside it, through any link. The daemon runs the same
+    three steps apart (prepare and finish in its pool, the call on the LLM
+    loop): see daemon/jobs.py.
     """
     hooks = hooks or LossHooks()
     prepared = prepare(job, settings=settings, templates=templates, confine_to=confine_to,
@@ -195,12 +197,12 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     # A model litellm knows no window for (a local server's) still gets a bound.
     max_bytes = window * MAX_BYTES_PER_TOKEN if window else UNKNOWN_WINDOW_MAX_BYTES
 
-    answer_key = answer_key or job.work.human_dir
+    key_dir = answer_key or job.work.human_dir
 
     def read_inputs() -> tuple[dict[int, str], dict[int, str]]:
         return (job.work.read_human(job.first, job.last, max_bytes=max_bytes),
                 dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
-                                   confine_to=confine_to, answer_key=answer_key,
+                                   confine_to=confine_to, answer_key=key_dir,
                                    max_bytes=max_bytes))
 
     human, model = read_inputs()

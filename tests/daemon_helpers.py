@@ -618,15 +618,20 @@ def release_llm_clients() -> None:
 
     import openai
 
-    from skilltrain.daemon.infra import llm
+    from skilltrain.daemon.infra import llm, llm_loop
 
     cache = getattr(llm.litellm(), "in_memory_llm_clients_cache", None)
     clients = getattr(cache, "cache_dict", None)
     if isinstance(clients, dict):
         for key, client in list(clients.items()):
-            if isinstance(client, openai.OpenAI):  # sync clients only: close() is not async
+            if isinstance(client, openai.OpenAI):
                 with contextlib.suppress(Exception):
                     client.close()
+                cache.delete_cache(key)  # type: ignore[union-attr]
+            elif isinstance(client, openai.AsyncOpenAI):
+                # The daemon's calls: closed on the LLM loop their connections live on.
+                with contextlib.suppress(Exception):
+                    llm_loop.shared().run(client.close())
                 cache.delete_cache(key)  # type: ignore[union-attr]
     gc.collect()
 

@@ -278,7 +278,7 @@ class _Handler(BaseHTTPRequestHandler):
             payload = json.dumps(completion_body(reply, request)).encode()
             self._send(200, payload, "application/json", {}, trickle_s=reply.trickle_s)
         elif reply.kind == "ok":
-            self._send_json(200, completion_body(reply, request))
+            self._send_json(200, completion_body(reply, request), dict(reply.headers))
         elif reply.kind == "no_choices":
             body = completion_body(Reply.ok(""), request)
             body["choices"] = []

@@ -214,10 +214,26 @@ def _f_audit_leak(rec: Record) -> list[str]:
     ]
 
 
+def _f_llm_limit_changed(rec: Record) -> list[str]:
+    return [f"{rec.get('endpoint', '?')} limit {rec.get('previous', '?')} -> "
+            f"{rec.get('limit', '?')}", f"({_text(rec.get('reason', ''), 40)})",
+            f"in_flight={rec.get('in_flight', '?')}"]
+
+
+def _f_llm_held(rec: Record) -> list[str]:
+    wait = rec.get("wait_s")
+    held = _secs(float(wait) * 1000) if isinstance(wait, int | float) else "?"
+    return [f"{rec.get('endpoint', '?')} held {held}", f"({_text(rec.get('reason', ''), 40)})",
+            f"limit={rec.get('limit', '?')}"]
+
+
 _FIELDS: dict[str, Callable[[Record], list[str]]] = {
     "loss.completed": _f_loss_completed,
     "loss.failed": _f_loss_failed,
     "loss.contradicted": _f_loss_contradicted,
+    "loss.rate_limited": _f_loss_failed,
+    "llm.limit_changed": _f_llm_limit_changed,
+    "llm.held": _f_llm_held,
     "loss.started": _f_loss_started,
     "loss.retry": _f_loss_retry,
     "step.reported": _f_step_reported,

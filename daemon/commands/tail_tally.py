@@ -24,6 +24,7 @@ STATE_OF = {
     "loss.retry": "running",
     "loss.completed": "done",
     "loss.failed": "failed",
+    "loss.rate_limited": "queued",  # tried again later, not a failure of the set
     "loss.refused": "refused",
 }
 _STATES = ("done", "running", "queued", "failed", "refused")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ from pydantic import (
     Strict,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .errors import ConfigError
@@ -74,9 +76,25 @@ class LLMConfig(_Section):
 class LossConfig(_Section):
     episodes_per_report: int = Field(3, ge=1)
     settle_s: float = Field(30.0, ge=0)
-    concurrency: int = Field(4, ge=1, le=256)
+    # A number: that many calls at once, fixed (each backs off on its own).
+    # "adaptive": per endpoint, between the two bounds below (daemon/llm_limit.py).
+    concurrency: Annotated[int, Field(ge=1, le=1024)] | Literal["adaptive"] = "adaptive"
+    concurrency_min_calls: int = Field(1, ge=1, le=1024)
+    concurrency_max_calls: int = Field(64, ge=1, le=1024)
     max_attempts: int = Field(5, ge=1)
     retry_backoff_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> LossConfig:
+        if self.concurrency_min_calls > self.concurrency_max_calls:
+            raise ValueError(f"concurrency_min_calls ({self.concurrency_min_calls}) is above "
+                             f"concurrency_max_calls ({self.concurrency_max_calls})")
+        return self
+
+    @property
+    def fixed_concurrency(self) -> int | None:
+        """The fixed number of calls at once, or None when adaptive."""
+        return self.concurrency if isinstance(self.concurrency, int) else None
 
 
 class WatchConfig(_Section):
@@ -291,8 +309,15 @@ def _describe(error: ValidationError, from_env: Mapping[str, str],
               written_as: Mapping[tuple[str, str], str] | None = None) -> str:
     """The first validation error as one line: key, value, what is allowed
     (a key under the name it was written as)."""
-    first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+    errors = error.errors()
+    first = errors[0]
+    loc = _key_path(first["loc"])
+    # A key that may be one of two types ([loss] concurrency: a number or
+    # "adaptive") fails once per type: a value of the right type but out of
+    # range says the range; a value of neither type says what each accepts.
+    same_key = [e for e in errors if _key_path(e["loc"]) == loc]
+    in_type = [e for e in same_key if not str(e["type"]).endswith(_WRONG_TYPE)]
+    msg = ", or ".join(dict.fromkeys(str(e["msg"]) for e in (in_type[:1] or same_key)))
     if len(loc) == 2 and (old := (written_as or {}).get((loc[0], loc[1]))):
         if loc[1] in from_env:
             from_env = {**from_env, old: from_env[loc[1]]}
@@ -309,7 +334,16 @@ def _describe(error: ValidationError, from_env: Mapping[str, str],
     origin = ""
     if len(loc) == 2 and loc[0] == "llm" and loc[1] in from_env:
         origin = f" (from the environment variable {from_env[loc[1]]})"
-    return f"{key} = {value!r}{origin}: {first['msg']}"
+    return f"{key} = {value!r}{origin}: {msg}"
+
+
+_WRONG_TYPE = ("_type", "_parsing", "literal_error")
+_UNION_MEMBER = re.compile(r"constrained-\w+|literal\[.*\]|int|str|float|bool")
+
+
+def _key_path(loc: tuple[int | str, ...]) -> list[str]:
+    """The error's location as config keys, without pydantic's union-member tags."""
+    return [str(p) for p in loc if not _UNION_MEMBER.fullmatch(str(p))]
 
 
 def _allowed_keys(section: list[str]) -> list[str]:

@@ -68,12 +68,16 @@ class LLMError(SkilltrainError):
     """Raised when the LLM call failed for good (retries exhausted or not retryable).
 
     `retry_after_s`: what the server last asked for (Retry-After), so a later
-    retry of the whole set does not come sooner.
+    retry of the whole set does not come sooner. `rate_limited`: the last
+    attempt was refused for the provider's rate limit (not the set's fault:
+    it does not count against [loss] max_attempts).
     """
 
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = None, *,
+                 rate_limited: bool = False) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.rate_limited = rate_limited
 
 
 class AlreadyRunningError(SkilltrainError):

@@ -8,22 +8,24 @@ on 429/5xx/timeouts/connection errors, at least as long as the server asks
 (Retry-After in seconds or as an HTTP date, or retry-after-ms, read by the
 OpenAI SDK's own parser), no retry on auth or bad-request errors.
 
-`[llm] timeout_s` bounds each attempt as a whole: the HTTP client's timeout
-is per read, and a server sending a byte every few seconds never trips it.
-The call runs in a helper thread that is abandoned at the deadline (it ends
-when the server does; its reply, if any, is dropped).
+Calls are `litellm.acompletion` coroutines on the one LLM event loop
+(llm_loop.py): a call in flight holds no thread. `[llm] timeout_s` bounds each
+attempt as a whole (the HTTP client's timeout is per read, and a server
+sending a byte every few seconds never trips it): at the deadline the
+request is cancelled, its connection closed, nothing left running. Each
+attempt holds a slot of its endpoint's limiter (llm_limit.py) and gives it
+back, with the provider's rate-limit headers, before any backoff.
 
 litellm costs ~5 s to import, so it is imported on first use only; `status`,
 `tail`, `audit` and `--help` never pay for it.
 """
 from __future__ import annotations
 
-import contextvars
+import asyncio
 import os
 import re
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -34,11 +36,15 @@ from ..core import textnorm
 from ..core.config import BUILTIN_MODEL, LLMConfig
 from ..core.errors import ConfigError, LLMError
 from ..guard import leakguard
+from . import llm_loop
+from .llm_limit import Slot
 
 Message = dict[str, Any]
 BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"
 RetryHook = Callable[[int, float, BaseException], None]
+AsyncSleep = Callable[[float], Awaitable[None]]
 
+LOGGING_THREADS = 2  # litellm's success/failure handlers (it logs nothing we need)
 _import_lock = threading.Lock()
 _litellm: ModuleType | None = None
 
@@ -51,6 +57,8 @@ def litellm() -> ModuleType:
             # Must be set before the import: otherwise litellm fetches its cost
             # map from the internet at import time.
             os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+            # Its logging executor would grow to 100 threads under many calls.
+            os.environ.setdefault("LOGGING_EXECUTOR_MAX_THREADS", str(LOGGING_THREADS))
             import litellm as module
 
             module.suppress_debug_info = True  # no "Give Feedback" banner on stdout
@@ -80,11 +88,18 @@ class Completion:
 
 
 class RetryableError(Exception):
-    """A transient failure: worth another attempt after a wait."""
+    """A transient failure: worth another attempt after a wait.
 
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+    `rate_limited`: the provider said slow down (a 429, or a 503 with
+    Retry-After); `headers`: what it sent (for the limiter).
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None, *,
+                 rate_limited: bool = False, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.rate_limited = rate_limited
+        self.headers = headers or {}
 
 
 def warm_up(model: str) -> None:
@@ -126,24 +141,60 @@ def wants_cache_markers(model: str) -> bool:
 
 def complete(messages: Sequence[Message], settings: LLMConfig, *,
              on_retry: RetryHook | None = None,
-             sleep: Callable[[float], None] = time.sleep) -> Completion:
+             sleep: Callable[[float], None] | None = None) -> Completion:
+    """`acomplete` run on the LLM loop, from a thread that may block (the one-shot CLI).
+
+    `sleep`: a synchronous stand-in for the policy's waits (tests pass a
+    recorder); None waits on the loop without blocking it.
+    """
+    waits: AsyncSleep | None = None
+    if sleep is not None:
+        sync_sleep = sleep
+
+        async def recorded(seconds: float) -> None:
+            sync_sleep(seconds)
+
+        waits = recorded
+    return llm_loop.shared().run(acomplete(messages, settings, on_retry=on_retry, sleep=waits))
+
+
+async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
+                    on_retry: RetryHook | None = None, sleep: AsyncSleep | None = None,
+                    slot: Slot | None = None) -> Completion:
     """One chat completion with the retry policy; raises LLMError when it gives up.
 
-    `sleep` is how the policy waits: the daemon passes one that returns early
+    Runs on the LLM loop. `slot`: the endpoint's limiter slot (may already be
+    held): taken for each attempt and given back when the attempt ends, with
+    what the provider said, so a wait between attempts holds no slot.
+    `sleep` is how the policy waits: the daemon passes one that ends early
     (raising) on shutdown; tests pass a recorder.
     """
+    slot = slot or Slot(None)
     attempts = 0
     backoff = tenacity.wait_random_exponential(multiplier=settings.backoff_initial_s,
                                                max=settings.backoff_max_s)
 
-    def attempt() -> Any:
+    async def attempt() -> Any:
         nonlocal attempts
+        await slot.take()
         attempts += 1
-        response = _call(messages, settings)
+        try:
+            response = await _call(messages, settings)
+        except RetryableError as e:
+            slot.give_back("rate_limited" if e.rate_limited else "error",
+                           retry_after_s=e.retry_after_s, headers=e.headers)
+            raise
+        except BaseException:
+            slot.give_back("error")
+            raise
         choices = getattr(response, "choices", None)
         if not choices or getattr(choices[0], "message", None) is None:
             # A 200 with `choices: []`: no reply at all, as transient as a 5xx.
+            slot.give_back("error", headers=_reply_headers(response))
             raise RetryableError("malformed reply: the response has no choices")
+        usage = getattr(response, "usage", None)
+        slot.give_back("ok", headers=_reply_headers(response),
+                       tokens=int(getattr(usage, "total_tokens", 0) or 0))
         return response
 
     def wait(state: tenacity.RetryCallState) -> float:
@@ -159,22 +210,26 @@ def complete(messages: Sequence[Message], settings: LLMConfig, *,
             assert error is not None
             on_retry(state.attempt_number, state.next_action.sleep, error)
 
-    retrying = tenacity.Retrying(
+    retrying = tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception_type(RetryableError),
         stop=tenacity.stop_after_attempt(settings.max_retries + 1),
         wait=wait,
-        sleep=sleep,
+        sleep=sleep or asyncio.sleep,
         before_sleep=before_sleep,
         reraise=True,
     )
     try:
-        response = retrying(attempt)
+        response: Any = await retrying(attempt)
     except RetryableError as e:
-        raise LLMError(f"gave up after {attempts} attempts: {e}", e.retry_after_s) from None
+        raise LLMError(f"gave up after {attempts} attempts: {e}", e.retry_after_s,
+                       rate_limited=e.rate_limited) from None
+    except BaseException:
+        slot.give_back()  # stopped (Abandoned, cancelled) while it held the slot
+        raise
     return _completion(response, settings.model, attempts)
 
 
-def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
+async def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
     lm = litellm()
     if settings.model.startswith(BUILTIN_PREFIX):
         # Other code may have replaced litellm.custom_provider_map since.
@@ -188,25 +243,55 @@ def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         # Only on error: the prompt's text is joined for the echo check then.
         return _describe(error, _prompt_text(messages), where)
 
+    def retryable(e: BaseException) -> RetryableError:
+        code = getattr(e, "status_code", 0) or 0
+        retry_after = _retry_after(e)
+        # A 503 that says when to come back is the provider's rate limit too.
+        limited = code == 429 or (code == 503 and retry_after is not None)
+        return RetryableError(describe(e), retry_after, rate_limited=limited,
+                              headers=_error_headers(e))
+
     try:
-        return _within(settings.timeout_s, lambda: lm.completion(**kwargs))
-    except WholeRequestTimeout:
+        async with asyncio.timeout(settings.timeout_s) as deadline:
+            return await lm.acompletion(**kwargs)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # a TimeoutError of the library's own: handled below as any error
+        # The request was cancelled at the deadline: nothing is left running.
         raise RetryableError(f"no complete reply within {settings.timeout_s:g}s "
                              "([llm] timeout_s bounds the whole request)") from None
     except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
             lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
-        raise RetryableError(describe(e), _retry_after(e)) from None
+        raise retryable(e) from None
     except lm.APIError as e:
         # Any other provider-side 5xx we do not know by name is transient too.
         if (getattr(e, "status_code", 0) or 0) >= 500:
-            raise RetryableError(describe(e), _retry_after(e)) from None
+            raise retryable(e) from None
         raise LLMError(describe(e)) from None
     except (lm.AuthenticationError, lm.BadRequestError) as e:
         raise LLMError(describe(e)) from None
     except Exception as e:
-        if type(e).__module__.startswith(("litellm", "openai", "httpx")):
+        if type(e).__module__.startswith(("litellm", "openai", "httpx", "aiohttp")):
             raise LLMError(describe(e)) from None
         raise
+
+
+def _reply_headers(response: Any) -> dict[str, str]:
+    """The provider's headers of a reply (its x-ratelimit-* among them)."""
+    hidden = getattr(response, "_hidden_params", None) or {}
+    headers = hidden.get("additional_headers") if isinstance(hidden, dict) else None
+    return {str(k): str(v) for k, v in headers.items()} if isinstance(headers, dict) else {}
+
+
+def _error_headers(error: BaseException) -> dict[str, str]:
+    headers: Any = getattr(error, "litellm_response_headers", None)
+    response = getattr(error, "response", None)
+    if headers is None and response is not None:
+        headers = getattr(response, "headers", None)
+    try:
+        return {str(k): str(v) for k, v in dict(headers or {}).items()}
+    except Exception:
+        return {}
 
 
 def _request_kwargs(messages: Sequence[Message], settings: LLMConfig) -> dict[str, Any]:
@@ -235,36 +320,6 @@ ECHO_WORDS = 6
 MESSAGE_CHARS = 200
 WITHHELD = "(message withheld: it quotes the prompt)"
 LOCAL_SERVER_KEY = "no-key-needed"  # sent to an api_base server when no key is set
-
-
-class WholeRequestTimeout(Exception):
-    """The attempt did not finish within [llm] timeout_s."""
-
-
-def _within(timeout_s: float, call: Callable[[], Any]) -> Any:
-    """`call()`'s result, or WholeRequestTimeout when it takes longer than `timeout_s`.
-
-    The call runs in a daemon thread with this thread's context (so its log
-    lines keep the job's fields); at the deadline it is abandoned, not killed.
-    """
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
-    context = contextvars.copy_context()
-
-    def run() -> None:
-        try:
-            outcome["value"] = context.run(call)
-        except BaseException as e:  # handed to the caller's thread below
-            outcome["error"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="llm-request", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise WholeRequestTimeout()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def missing_credentials(model: str, api_base: str | None = None) -> list[str]:

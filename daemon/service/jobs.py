@@ -1,45 +1,58 @@
 """Loss jobs: a bounded queue, one job per set at a time, retries, the budget.
 
-    reconcile ──submit──> queued ──worker──> still wanted? ──> loss.run ──> DONE
-                                                 │ no            │ failed: FAILED, retried
-                                                 v               v         after backoff
-                                         look again / held     steps.check (the barrier)
+    reconcile ──submit──> queued ──slot──> still wanted? ──> prepare ──> call ──> finish ──> DONE
+                                            │ no          (pool)     (loop)   (pool)
+                                            v                          │ failed: FAILED, retried
+                                    look again / held                  v         after backoff
+                                                               steps.check (the barrier)
 
-A job re-checks its set when it gets a worker (changed while queued, over
+A job is a coroutine on the LLM loop (llm_loop.py). It re-checks its set
+when it gets a slot of its endpoint's limiter (changed while queued, over
 budget, shutting down) and writes nothing unless the handler wrote a whole
-report; what it decided is recorded in the state and said in one event.
+report; what it decided is recorded in the state and said in one event. A
+call refused for the provider's rate limit is tried again later without
+counting against [loss] max_attempts.
 """
 from __future__ import annotations
 
-import random
+import asyncio
+import contextlib
+import contextvars
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ...handlers import loss
 from ..core import config, dataset, layout
 from ..core.errors import (
     BadOutputError,
     ConfigError,
-    ContradictedReportError,
     InputsChangedError,
     LLMError,
     RefusedError,
 )
 from ..core.notify import Heartbeat
 from ..core.templates import PromptTemplates
-from ..infra import log
+from ..infra import llm, log
+from ..infra.llm_limit import Limiters, Slot
+from ..infra.llm_loop import LLMLoop
 from ..infra.state import BUDGET_REASON, SetState, StateStore
+from .metrics import Metrics
 from .observe import Fingerprint, observe, sigs_digest
+from .outcomes import Abandoned, Outcomes
 from .steps import Steps
 
 Emit = Callable[..., None]
+T = TypeVar("T")
+# Threads for the jobs' file work (read, render, guard, write): milliseconds a
+# job, while its call takes seconds on the loop; more would only contend for the GIL.
+POOL_THREADS = 4
 
 
 class BatchPath(Protocol):
-    """Batch mode (daemon/service/batch.py), as jobs sees it."""
+    """Batch mode (batch.py), as jobs sees it."""
 
     def carries(self, set_id: str) -> bool: ...
     def wants(self, key: layout.SetKey) -> bool: ...
@@ -47,8 +60,7 @@ class BatchPath(Protocol):
                 attempts: int) -> None: ...
 
 
-class Abandoned(Exception):
-    """Raised inside a job when the daemon shuts down while the job waits to retry."""
+Finish = Callable[[], loss.LossResult]  # a batch's reply checked and written: loss.finish
 
 
 class Budget:
@@ -131,14 +143,21 @@ class Claims:
 
 
 class Jobs:
-    """Runs loss jobs on a bounded pool; failed ones are retried with backoff."""
+    """Runs loss jobs: each a coroutine on the LLM loop, its file work on a small pool.
+
+    A job waits for a slot of its endpoint's limiter (llm_limit.py) before it
+    reads anything, so no more jobs are prepared than can call; reading,
+    rendering, the guard and the writes run on POOL_THREADS threads, the
+    call itself on the loop. The daemon's thread count does not grow with
+    `[loss] concurrency`.
+    """
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  clock: Callable[[], float], stopping: threading.Event,
-                 templates: PromptTemplates, complete: Callable[..., Any], steps: Steps,
-                 budget: Budget, claims: Claims, heartbeat: Heartbeat,
+                 templates: PromptTemplates, metrics: Metrics,
+                 steps: Steps, budget: Budget, claims: Claims, heartbeat: Heartbeat,
                  look_again: Callable[[layout.SetKey, float | None], None],
-                 settle_again: Callable[[layout.SetKey], None]) -> None:
+                 settle_again: Callable[[layout.SetKey], None], llm_loop: LLMLoop) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -147,16 +166,29 @@ class Jobs:
         self.clock = clock
         self.stopping = stopping
         self.templates = templates
-        self.complete = complete
+        self.complete = metrics.timed(llm.acomplete)
         self.steps = steps
         self.budget = budget
         self.claims = claims
         self.heartbeat = heartbeat
         self.look_again = look_again  # (set, when or None for now): reconcile evaluates it
         self.settle_again = settle_again  # inputs changed under a job: settle from now
+        # One per LLM endpoint: as `[loss] concurrency` says (a number, or adaptive).
+        self.limiters = Limiters(fixed=cfg.loss.fixed_concurrency,
+                                 floor=cfg.loss.concurrency_min_calls,
+                                 ceiling=cfg.loss.concurrency_max_calls, on_change=emit)
+        metrics.watch_limiters(self.limiters)
+        self.llm = llm_loop
         self.abort = threading.Event()  # abandon jobs waiting to retry
-        self.failures = 0  # sets failed or refused (--once exit code)
-        self.pool = ThreadPoolExecutor(cfg.loss.concurrency, thread_name_prefix="loss")
+        self.outcomes = Outcomes(cfg, state, emit, clock=clock, steps=steps,
+                                 look_again=look_again, settle_again=settle_again)
+        self.pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="loss")
+        # On the loop's thread only: every job's task, those still waiting for a
+        # slot, the shutdown signal for backoff waits.
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._waiting: set[asyncio.Task[None]] = set()
+        self._aborted: asyncio.Event | None = None
+        self.in_call = 0  # jobs holding a slot (read from other threads: a plain int)
         self.batch: BatchPath | None = None  # set by the daemon: runs in batch mode
 
     def submit(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
@@ -169,16 +201,15 @@ class Jobs:
         self.emit("set.ready", **key.log_fields())
         self.emit("loss.queued", job_id=job_id, **key.log_fields())
         future = self.claims.start_job(
-            key.id, lambda: self.pool.submit(self._run_job, key, work, fp, job_id, attempts))
+            key.id, lambda: self.llm.submit(self._job(key, work, fp, job_id, attempts)))
         future.add_done_callback(log.report_task_failure)
 
     def run_result(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-                   attempts: int, finish: Callable[[], loss.LossResult]) -> Future[None]:
-        """A batch's result for a set, checked and written on a worker exactly like
-        a live job's reply: `finish` stands in for prepare -> complete -> finish."""
-        job_id = uuid.uuid4().hex[:12]
-        future = self.claims.start_job(key.id, lambda: self.pool.submit(
-            self._run_job, key, work, fp, job_id, attempts, finish))
+                   attempts: int, finish: Finish) -> Future[None]:
+        """A batch's result for a set, checked and written exactly like a live
+        job's reply: `finish` stands in for prepare -> call -> finish."""
+        future = self.claims.start_job(key.id, lambda: self.llm.submit(
+            self._job(key, work, fp, uuid.uuid4().hex[:12], attempts, finish)))
         future.add_done_callback(log.report_task_failure)
         return future
 
@@ -191,28 +222,70 @@ class Jobs:
                           reason=BUDGET_REASON)
         return True
 
-    def _run_job(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint, job_id: str,
-                 attempts: int, finish: Callable[[], loss.LossResult] | None = None) -> None:
+    async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the job pool, with this task's context (its log fields)."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, lambda: context.run(fn, *args))
+
+    async def _job(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint, job_id: str,
+                   attempts: int, finish: Finish | None = None) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        ended = False
         try:
-            # Context for every line this job logs, in this worker thread.
+            # Context for every line this job logs: on the loop and in the pool.
             with log.bound_job(job_id=job_id, **key.log_fields()):
                 try:
-                    self._run_loss(key, work, fp, attempts, finish)
+                    if finish is not None:
+                        await self._run_paid(key, fp, attempts, finish)
+                    elif not await self._in_pool(self._to_batch, key, work, fp, attempts):
+                        await self._run_loss(key, work, fp, attempts)
                 except Exception:
                     self.log.exception("loss.failed", reason="internal error")
-                    self._fail(key, fp, attempts, "internal error")
+                    await self._in_pool(self.outcomes.fail, key, fp, attempts, "internal error")
+                await self._in_pool(self._job_ended, key)
+                ended = True
         finally:
-            if self.claims.end_job(key.id):
-                self.look_again(key, None)
-            self.steps.check(key.step_key)
-            self.heartbeat.beat()
+            self._tasks.discard(task)
+            if not ended:  # cancelled at shutdown: the claim goes, nothing else is started
+                self.claims.end_job(key.id)
 
-    def _still_wanted(self, key: layout.SetKey, fp: Fingerprint, paid: bool = False) -> bool:
-        """Is a queued job still to run, now that it has a worker?"""
+    def _job_ended(self, key: layout.SetKey) -> None:
+        if self.claims.end_job(key.id):
+            self.look_again(key, None)
+        self.steps.check(key.step_key)
+        self.heartbeat.beat()
+
+    def _to_batch(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
+                  attempts: int) -> bool:
+        """A set of a run in batch mode joins its step's next batch (True: handed over)."""
+        if self.batch is None or not self.batch.wants(key):
+            return False
+        if self._still_wanted(key, fp):
+            self.batch.enqueue(key, work, fp, attempts)
+        return True
+
+    async def _run_paid(self, key: layout.SetKey, fp: Fingerprint, attempts: int,
+                        finish: Finish) -> None:
+        """A batch reply, paid for: no slot, no still-wanted check (finish compares
+        the input hashes); the same outcomes as a live reply."""
+        if self.stopping.is_set():
+            return
+        result: loss.LossResult | None = None
+        error: BaseException | None = None
+        try:
+            result = await self._in_pool(finish)
+        except (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError,
+                OSError) as e:
+            error = e
+        await self._in_pool(self.outcomes.record, key, fp, attempts, result, error)
+
+    def _still_wanted(self, key: layout.SetKey, fp: Fingerprint) -> bool:
+        """Is a queued job still to run, now that it has a slot?"""
         if self.stopping.is_set():
             return False
-        if paid:
-            return True  # a batch reply, paid for: its own check compares the input hashes
         if sigs_digest(observe(key, self.runs, self.cfg.paths.data).sigs) != fp.sigs:
             # Changed while queued: the settle wait starts again.
             self.look_again(key, None)
@@ -220,119 +293,74 @@ class Jobs:
         # Queued before the budget ran out; it must not start now.
         return not self.hold_if_over_budget(key)
 
-    def _run_loss(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-                  attempts: int, finish: Callable[[], loss.LossResult] | None = None) -> None:
-        if not self._still_wanted(key, fp, paid=finish is not None):
-            return
-        if finish is None and self.batch is not None and self.batch.wants(key):
-            self.batch.enqueue(key, work, fp, attempts)  # its run is in batch mode
-            return
+    async def _run_loss(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
+                        attempts: int) -> None:
+        settings = self.cfg.llm
+        # Held from before the inputs are read until the outcome is recorded
+        # (spend included), given back during backoffs.
+        slot = Slot(self.limiters.for_endpoint(settings.model, settings.api_base),
+                    keep_after_reply=True)
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        try:
+            await slot.take()  # a job starts when its endpoint has room for its call
+        finally:
+            self._waiting.discard(task)
+        self.in_call += 1
+        try:
+            result: loss.LossResult | None = None
+            error: BaseException | None = None
+            try:
+                prepared = await self._in_pool(self._prepare, key, work, fp, attempts)
+                if prepared is None:
+                    return
+
+                def retry(attempt: int, wait_s: float, error: BaseException) -> None:
+                    self.emit("loss.retry", level="warning", attempt=attempt,
+                              wait_s=round(wait_s, 3), error=str(error))
+
+                completion = await self.complete(prepared.messages, settings, on_retry=retry,
+                                                 sleep=self._interruptible_sleep, slot=slot)
+                # Checks, guard, re-read, then the atomic write: in the pool.
+                result = await self._in_pool(self._finish, prepared, completion)
+            except (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError,
+                    OSError, Abandoned) as e:
+                error = e
+            await self._in_pool(self.outcomes.record, key, fp, attempts, result, error)
+        finally:
+            slot.give_back()
+            self.in_call -= 1
+
+    def _prepare(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
+                 attempts: int) -> loss.Prepared | None:
+        if not self._still_wanted(key, fp):
+            return None
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=work, scripts_dir=key.scripts_dir(self.runs),
                            report_path=key.report_path(self.runs), first=key.first,
                            last=key.last, stat_sigs=fp.sigs)
+        prepared = loss.prepare(job, settings=self.cfg.llm, templates=self.templates,
+                                confine_to=self.runs, answer_key=self.cfg.paths.data)
+        self.emit("loss.started", prompt_chars=len(prepared.prompt),
+                  prompt_tokens=prepared.prompt_tokens, attempt=attempts + 1)
+        return prepared
 
-        def started(chars: int, tokens: int | None) -> None:
-            self.emit("loss.started", prompt_chars=chars, prompt_tokens=tokens,
-                      attempt=attempts + 1)
+    def _finish(self, prepared: loss.Prepared, completion: llm.Completion) -> loss.LossResult:
+        integrity = self.cfg.integrity
+        return loss.finish(prepared, completion, on_leak=integrity.on_leak,
+                           on_contradiction=integrity.on_contradiction,
+                           refuse_share=integrity.refuse_share)
 
-        def retry(attempt: int, wait_s: float, error: BaseException) -> None:
-            self.emit("loss.retry", level="warning", attempt=attempt, wait_s=round(wait_s, 3),
-                      error=str(error))
-
-        try:
-            # A batch result brings its own finish; a live job prepares, calls, finishes.
-            result = finish() if finish is not None else self._live(job, started, retry)
-        except InputsChangedError as e:
-            # Not a report of what is on disk now: nothing written, the step
-            # not counted; the set settles again and is made anew.
-            self.emit("loss.discarded", level="warning", reason=str(e))
-            self.state.update(key.id, SetState.SETTLING, reason=str(e))
-            self.settle_again(key)
-            return
-        except ContradictedReportError as e:
-            # Whole but confidently wrong: bogus signal, retried like a failed call.
-            self._fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
-            return
-        except BadOutputError as e:
-            # The reply, not the input, was bad: refused, and retried like a failure.
-            self._fail(key, fp, attempts, str(e), event="loss.refused")
-            return
-        except RefusedError as e:
-            self.failures += 1
-            self.emit("loss.refused", level="warning", reason=str(e))
-            self.state.update(key.id, SetState.REFUSED, reason=str(e),
-                              refused_fingerprint=fp.as_json())
-            return
-        except (LLMError, ConfigError) as e:
-            retry_after_s = e.retry_after_s if isinstance(e, LLMError) else None
-            self._fail(key, fp, attempts, str(e), retry_after_s=retry_after_s)
-            return
-        except OSError as e:
-            # A full disk, a permission: the job wrote nothing (all or none).
-            where = f" {e.filename}" if e.filename else ""
-            self._fail(key, fp, attempts,
-                       f"cannot write the report{where}: {e.strerror or type(e).__name__}")
-            return
-        except Abandoned:
-            self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
-            return
-        self._completed(key, fp, result)
-
-    def _live(self, job: loss.LossJob, started: Callable[[int, int | None], None],
-              retry: Callable[[int, float, BaseException], None]) -> loss.LossResult:
-        return loss.run(job, settings=self.cfg.llm, templates=self.templates,
-                        on_leak=self.cfg.integrity.on_leak,
-                        on_contradiction=self.cfg.integrity.on_contradiction,
-                        refuse_share=self.cfg.integrity.refuse_share, confine_to=self.runs,
-                        answer_key=self.cfg.paths.data,
-                        hooks=loss.LossHooks(started=started, retry=retry),
-                        complete=self.complete, sleep=self._interruptible_sleep)
-
-    def _completed(self, key: layout.SetKey, fp: Fingerprint, result: loss.LossResult) -> None:
-        c = result.completion
-        spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
-                                     c.cost_usd, tokens_cache_write=c.tokens_cache_write)
-        # Logged before the set turns DONE: DONE may complete the step, and
-        # step.reported must come after the step's last loss.completed.
-        self.emit("loss.completed", report=str(result.report_path), tokens_in=c.tokens_in,
-                  tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
-                  duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
-                  attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
-                  craft_distance=result.sidecar.get("craft_distance"),
-                  **result.claims.event_fields())
-        self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
-                  cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
-                  tokens_cache_write=spend.tokens_cache_write)
-        self.steps.reopen(key)
-        self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
-                          fingerprint=fp.as_json())
-
-    def _fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
-              retry_after_s: float | None = None, event: str = "loss.failed",
-              **details: Any) -> None:
-        attempts += 1
-        self.failures += 1
-        gave_up = attempts >= self.cfg.loss.max_attempts
-        next_at = None if gave_up else self._next_retry(attempts - 1)
-        if next_at is not None and retry_after_s is not None:
-            # The server's last word on when to come back, capped like in llm.complete.
-            next_at = max(next_at, self.clock() + min(retry_after_s, self.cfg.llm.backoff_max_s))
-        self.emit(event, level="error" if event == "loss.failed" else "warning", reason=reason,
-                  attempts=attempts,
-                  next_retry_s=None if next_at is None else round(next_at - self.clock(), 1),
-                  **details)
-        self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
-                          next_retry_at=next_at, fingerprint=fp.as_json())
-        if next_at is not None:
-            self.look_again(key, next_at)
-
-    def _next_retry(self, failures_before: int) -> float:
-        base = self.cfg.loss.retry_backoff_s * 2 ** failures_before
-        return self.clock() + base * random.uniform(0.8, 1.2)
-
-    def _interruptible_sleep(self, seconds: float) -> None:
-        if self.abort.wait(seconds):
+    async def _interruptible_sleep(self, seconds: float) -> None:
+        """A backoff wait that ends (raising Abandoned) when the daemon stops."""
+        if self._aborted is None:
+            self._aborted = asyncio.Event()  # made here: on the loop's thread
+        if self.abort.is_set():
+            raise Abandoned()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._aborted.wait(), seconds)
+        if self.abort.is_set():
             raise Abandoned()
 
     # ------------------------------------------------------------- the end
@@ -343,7 +371,23 @@ class Jobs:
                 future.result()
 
     def stop_intake(self) -> None:
-        """Jobs waiting to retry give up; jobs not started are cancelled (found
-        again at the next start); running ones go on until the shutdown bound."""
+        """Jobs waiting to retry give up; jobs still waiting for a slot are cancelled
+        (found again at the next start); running ones go on until the shutdown bound."""
         self.abort.set()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+
+        def on_loop() -> None:
+            if self._aborted is not None:
+                self._aborted.set()
+            for task in list(self._waiting):
+                task.cancel()
+
+        self.llm.call_soon(on_loop)
+
+    def cancel_running(self) -> None:
+        """At the shutdown bound: every job still in a call is cancelled, its request
+        with it (a cancelled request writes nothing)."""
+        def on_loop() -> None:
+            for task in list(self._tasks):
+                task.cancel()
+
+        self.llm.call_soon(on_loop)

@@ -34,7 +34,7 @@ from ..core.errors import ConfigError, ExitCode
 from ..core.lock import RunsLock
 from ..core.templates import PromptTemplates
 from ..guard import leakguard
-from ..infra import llm, log
+from ..infra import llm, llm_loop, log
 from ..infra.state import SetState, StateStore
 from . import metrics_runs
 from .batch import Batcher
@@ -93,9 +93,9 @@ class Daemon:
         self.steps = Steps(cfg, self.state, self.emit, clock=self.clock, loop=self.loop,
                            expected_sets=lambda step: list(self.discovery.sets_of_step(step)))
         self.jobs = Jobs(cfg, self.state, self.emit, clock=self.clock, stopping=self.stop_event,
-                         templates=self.templates, complete=self.metrics.timed(llm.complete),
+                         templates=self.templates, metrics=self.metrics,
                          steps=self.steps, budget=self.budget, claims=Claims(),
-                         heartbeat=self.heartbeat,
+                         heartbeat=self.heartbeat, llm_loop=llm_loop.shared(),
                          look_again=lambda key, when: self.reconcile.look_again(key, when),
                          settle_again=lambda key: self.reconcile.settle_again(key))
         self.reconcile = Reconciler(cfg, self.state, self.emit, clock=self.clock,
@@ -111,7 +111,7 @@ class Daemon:
     @property
     def failures(self) -> int:
         """Sets failed, refused or unusable, optimizer runs failed: --once's exit code."""
-        return self.reconcile.failures + self.jobs.failures + self.steps.failures
+        return self.reconcile.failures + self.jobs.outcomes.failures + self.steps.failures
 
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
@@ -314,7 +314,7 @@ class Daemon:
     def shutdown(self, reason: str) -> None:
         """Stop intake, drain running jobs up to the bound, abandon the rest."""
         jobs = self.jobs.claims.jobs()
-        running = sum(1 for f in jobs if f.running())
+        running = min(self.jobs.in_call, len(jobs))
         self.emit("daemon.stopping", reason=reason, running=running, queued=len(jobs) - running)
         self.notifier.stopping()
         # 1. intake: no new events, scans, jobs or batches; jobs waiting to retry give up,
@@ -335,13 +335,13 @@ class Daemon:
             with contextlib.suppress(Exception):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
         self.loop.stop(max(0.0, deadline - time.monotonic()))  # a killed writer reruns at start
-        # 3. what is still running (inside an LLM call) is abandoned: it dies
-        #    with the process, and its writes are atomic, so nothing is partial
+        # 3. still in an LLM call: abandoned, its request cancelled (writes are atomic)
         self.steps.kill_optimizer.set()
         for future in self.steps.optimizer_runs():
             with contextlib.suppress(Exception):
                 future.result(timeout=5)
         abandoned = sum(1 for f in futures if not f.done())
+        self.jobs.cancel_running()  # their requests are cancelled: no call outlives the bound
         self._close_state()
         counts = self.state.counts()
         self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",

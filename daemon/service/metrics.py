@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core.config import split_listen
@@ -59,6 +59,32 @@ class _SetStates(Collector):
         yield sets
         yield GaugeMetricFamily(f"{PREFIX}_jobs_running", "Loss jobs in an LLM call now",
                                 value=counts.get("running", 0))
+
+
+class _Limiters(Collector):
+    """Per LLM endpoint (a short `model@host:port` label, one per configured
+    endpoint): the concurrency limit, the calls in flight, rate-limited replies."""
+
+    def __init__(self, limiters: Any) -> None:
+        self.limiters = limiters  # llm_limit.Limiters (not imported: metrics stays low)
+
+    def collect(self) -> Iterator[Metric]:
+        limit = GaugeMetricFamily(f"{PREFIX}_llm_concurrency_limit",
+                                  "Calls the endpoint may have in flight now", labels=["endpoint"])
+        in_flight = GaugeMetricFamily(f"{PREFIX}_llm_calls_in_flight",
+                                      "Calls holding a slot of the endpoint now",
+                                      labels=["endpoint"])
+        limited = CounterMetricFamily(f"{PREFIX}_llm_rate_limited_responses",
+                                      "Replies refused for the provider's rate limit "
+                                      "(429, or 503 with Retry-After)", labels=["endpoint"])
+        calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Call attempts that reached the "
+                                    "endpoint or failed on the way", labels=["endpoint"])
+        for limiter in self.limiters.all():
+            limit.add_metric([limiter.endpoint], limiter.limit)
+            in_flight.add_metric([limiter.endpoint], limiter.in_flight)
+            limited.add_metric([limiter.endpoint], limiter.usage.rate_limited)
+            calls.add_metric([limiter.endpoint], limiter.usage.calls)
+        yield from (limit, in_flight, limited, calls)
 
 
 class Metrics:
@@ -168,6 +194,10 @@ class Metrics:
         if status in ("not_checked", "malformed"):
             self.unchecked.labels(status).inc()
 
+    def watch_limiters(self, limiters: Any) -> None:
+        """Export the LLM endpoints' limiters (llm_limit.Limiters), read at scrape time."""
+        self.registry.register(_Limiters(limiters))
+
     def catching_up(self, looked: int, total: int) -> None:
         """The start-up scan's progress."""
         self.startup_catching_up.set(1)
@@ -182,13 +212,13 @@ class Metrics:
         self.registry.register(collector)
 
     def timed(self, fn: F) -> F:
-        """`fn` (the LLM completion), observed in skilltrain_llm_request_seconds;
-        its last attempt counted in skilltrain_llm_attempts_total (the retried
-        ones are counted from `loss.retry`)."""
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        """`fn` (the LLM completion, a coroutine function), observed in
+        skilltrain_llm_request_seconds; its last attempt counted in
+        skilltrain_llm_attempts_total (the retried ones are counted from `loss.retry`)."""
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.monotonic()
             try:
-                result = fn(*args, **kwargs)
+                result = await fn(*args, **kwargs)
             except LLMError:
                 self.llm_attempts.labels("error").inc()
                 raise  # anything else (a shutdown's abandon) is not the provider's doing

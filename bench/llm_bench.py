@@ -1,0 +1,285 @@
+"""LLM path benchmarks: CPU per loss job against a bare litellm.acompletion loop,
+threads, and adaptive vs fixed concurrency against a rate-limited provider.
+
+    .venv/bin/python bench/llm_bench.py cpu [--sets 256] [--concurrency 128]
+                                            [--thread-sets 1024]
+    .venv/bin/python bench/llm_bench.py limits [--sets 200] [--rate 20]
+    .venv/bin/python bench/llm_bench.py all
+
+cpu: `skilltrain daemon --once` (a real subprocess, fixed `[loss]
+concurrency` C) works through N finished sets against tests/llm_server.py
+answering in 0.5 s; CPU per job = (the whole process's CPU minus a one-step
+run's) / (the jobs between them).
+Beside it, in the same run, a subprocess doing nothing but N
+`litellm.acompletion` calls on one event loop at concurrency C, same server,
+same messages (the daemon's first prompt), its CPU over the calls per call.
+Both for a priced model id (openai/gpt-4o-mini) and one litellm does not
+know. Threads: the daemon's peak (/proc/<pid>/status, sampled every 20 ms),
+also at concurrency 1024.
+
+limits: the daemon against tests/limited_llm_server.py (R requests/s per
+key, 429 with Retry-After), `[loss] concurrency` = "adaptive", 4 and 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import daemon_bench as db  # bench/ is on sys.path when this file runs
+
+from tests.daemon_helpers import config_toml  # noqa: E402
+from tests.limited_llm_server import RateLimits  # noqa: E402
+from tests.llm_server import LLMServer  # noqa: E402
+
+LATENCY_S = 0.5
+PRICED = "openai/gpt-4o-mini"
+UNKNOWN = "openai/loopback-model"
+
+BARE_LOOP = r"""
+import asyncio, json, os, sys, time
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+import litellm
+litellm.suppress_debug_info = True
+model, api_base, path = sys.argv[1], sys.argv[2], sys.argv[5]
+n, c = int(sys.argv[3]), int(sys.argv[4])
+messages = json.load(open(path))
+
+async def main():
+    sem = asyncio.Semaphore(c)
+    async def one():
+        async with sem:
+            r = await litellm.acompletion(model=model, messages=messages, api_base=api_base,
+                                          api_key="no-key-needed", timeout=60,
+                                          max_retries=0, num_retries=0)
+            assert r.choices[0].message.content
+    await one()  # warm: the client is built, the tokenizer loaded
+    t0, w0 = os.times(), time.monotonic()
+    await asyncio.gather(*(one() for _ in range(n)))
+    t1, w1 = os.times(), time.monotonic()
+    print(json.dumps({"user": t1.user - t0.user, "sys": t1.system - t0.system, "wall": w1 - w0}))
+
+asyncio.run(main())
+"""
+
+
+class ThreadSampler:
+    """Peak thread count of a process (Threads: in /proc/<pid>/status), and its
+    CPU seconds over time (to read the CPU of a span of a --once run)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0
+        self.cpu: list[tuple[float, float]] = []  # (wall clock, CPU seconds so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                self.peak = max(self.peak, db.proc_status_kb(self.pid, "Threads"))
+                raw = Path(f"/proc/{self.pid}/stat").read_text()
+                fields = raw[raw.rindex(")") + 2:].split()
+                self.cpu.append((time.time(), (int(fields[11]) + int(fields[12])) / db.CLK_TCK))
+            except (OSError, ValueError):
+                return
+
+    def cpu_at(self, when: float) -> float:
+        """CPU seconds at the last sample no later than `when`."""
+        return max((c for t, c in self.cpu if t <= when), default=0.0)
+
+    def cpu_after(self, when: float) -> float:
+        """CPU seconds at the first sample at or after `when` (the last one if none)."""
+        return next((c for t, c in self.cpu if t >= when), self.cpu[-1][1] if self.cpu else 0.0)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def write_config(ws: db.Workspace, api_base: str, model: str, concurrency: int | str,
+                 **loss: Any) -> None:
+    text = config_toml(api_base, llm={"timeout": 60},
+                       loss={"settle_seconds": 0, "concurrency": concurrency, **loss},
+                       log_file=ws.log_file, sections={"integrity": {"audit_on_start": False}})
+    ws.config.write_text(text.replace(f'"{db.MODEL}"', f'"{model}"'), encoding="utf-8")
+
+
+def daemon_run(sets: int, concurrency: int, model: str) -> dict[str, Any]:
+    """`daemon --once` over `sets` sets: the whole process's CPU (rusage of the
+    child), its wall from the first request to the last loss.completed, threads."""
+    server = LLMServer(latency=(LATENCY_S, LATENCY_S)).start()
+    try:
+        with db.workspace("llmcpu") as ws:
+            total = len(db.throughput_workspace(ws, sets, server.url, concurrency=concurrency))
+            write_config(ws, server.url, model, concurrency)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            daemon = db.DaemonProc(ws, once=True).start()
+            threads = ThreadSampler(daemon.pid)
+            code = daemon.wait(600)
+            peak_threads = threads.stop()
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            done = daemon.find("loss.completed")
+            total = max(total, len(done))  # a step's every set is on disk, used or not
+            if code != 0 or len(done) != total:
+                raise db.BenchError(f"daemon --once exit {code}, {len(done)} of {total} done")
+            first = server.requests[0].wall
+            last = max(db.event_time(e) for e in done)
+            messages = server.requests[0].messages
+    finally:
+        server.stop()
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    span_s = threads.cpu_after(last) - threads.cpu_at(first)
+    return {"cpu_s": cpu_s, "span_ms": span_s * 1000 / total, "wall": last - first,
+            "threads": peak_threads,
+            "rss_mb": daemon.peak_rss_mb, "messages": messages, "jobs": total}
+
+
+def per_job(sets: int, concurrency: int, model: str) -> dict[str, Any]:
+    """CPU per job: (the N-set run - a one-step run) / (the jobs between them): the
+    start-up (litellm's import, the scan) cancels out, as issue 22 measured it."""
+    base = daemon_run(1, concurrency, model)  # one step: its 10 sets
+    many = daemon_run(sets, concurrency, model)
+    jobs = many["jobs"] - base["jobs"]
+    return {**many, "cpu_ms": (many["cpu_s"] - base["cpu_s"]) * 1000 / jobs}
+
+
+def bare_run(messages: list[dict[str, Any]], sets: int, concurrency: int,
+             model: str) -> dict[str, Any]:
+    server = LLMServer(latency=(LATENCY_S, LATENCY_S)).start()
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(messages, f)
+        out = subprocess.run([sys.executable, "-c", BARE_LOOP, model, server.url, str(sets),
+                              str(concurrency), f.name], capture_output=True, text=True,
+                             timeout=600, check=True)
+        Path(f.name).unlink()
+    finally:
+        server.stop()
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"cpu_ms": (got["user"] + got["sys"]) * 1000 / sets, "wall": got["wall"]}
+
+
+def bench_cpu(sets: int, concurrency: int, thread_sets: int) -> list[db.Row]:
+    db.say(f"cpu: {sets} sets, concurrency {concurrency}, loopback {LATENCY_S} s, "
+           f"load {db.loadavg()}")
+    rows: list[db.Row] = []
+    for model in (PRICED, UNKNOWN):
+        d = per_job(sets, concurrency, model)
+        b = bare_run(d["messages"], d["jobs"], concurrency, model)
+        ratio = d["cpu_ms"] / b["cpu_ms"]
+        limit = max(math.ceil(d["jobs"] / concurrency) * LATENCY_S, b["wall"])
+        rows += [
+            db.Row(f"CPU per loss job ({d['jobs']} jobs, {model}), whole process",
+                   f"{d['cpu_ms']:.1f} ms"),
+            db.Row("  of it from first request to last report (calls in flight)",
+                   f"{d['span_ms']:.1f} ms"),
+            db.Row("  bare acompletion loop, same calls", f"{b['cpu_ms']:.1f} ms"),
+            db.Row("  daemon whole / bare", f"{ratio:.2f}x", "<= 1.3x", ratio <= 1.3),
+            db.Row("  daemon in-flight span / bare", f"{d['span_ms'] / b['cpu_ms']:.2f}x"),
+            db.Row("  wall: daemon / max(latency limit, bare wall)",
+                   f"{d['wall']:.2f} / {limit:.2f} s = {d['wall'] / limit:.2f}x", "<= 1.3x",
+                   d["wall"] / limit <= 1.3),
+            db.Row(f"  daemon peak threads (concurrency {concurrency})", str(d["threads"]),
+                   "<= 16", d["threads"] <= 16),
+            db.Row("  daemon peak RSS (VmHWM)", f"{d['rss_mb']:.0f} MB"),
+        ]
+    if thread_sets:
+        d = per_job(thread_sets, 1024, UNKNOWN)
+        rows.append(db.Row(f"daemon peak threads (concurrency 1024, {d['jobs']} jobs)",
+                           str(d["threads"]), "<= 16", d["threads"] <= 16))
+        rows.append(db.Row("  CPU per job / peak RSS",
+                           f"{d['cpu_ms']:.1f} ms / {d['rss_mb']:.0f} MB"))
+    return rows
+
+
+def limits_run(sets: int, rate: float, concurrency: int | str, retry_after: str,
+               halve_at_s: float | None = None) -> dict[str, Any]:
+    limits = RateLimits(requests_per_s=rate, retry_after=retry_after)
+    server = LLMServer(default=limits, latency=(0.2, 0.4), seed=1).start()
+    try:
+        with db.workspace("llmlimits") as ws:
+            total = len(db.throughput_workspace(ws, sets, server.url))
+            write_config(ws, server.url, UNKNOWN, concurrency, retry_backoff_s=5)
+            daemon = db.DaemonProc(ws).start()
+            try:
+                daemon.wait_event("daemon.ready", timeout_s=120)
+                db.wait_until(lambda: server.request_count > 0, 60, "the first request")
+                t0 = limits.clock()
+                if halve_at_s is not None:
+                    threading.Timer(halve_at_s, limits.set_rate, [rate / 2]).start()
+                db.wait_until(lambda: len(daemon.find("loss.completed")) >= total, 300,
+                              "every loss.completed", poll_s=0.05)
+                t1 = limits.clock()
+                failed = len(daemon.find("loss.failed"))
+                deferred = len(daemon.find("loss.rate_limited"))
+                moves = len(daemon.find("llm.limit_changed"))
+            finally:
+                daemon.stop()
+    finally:
+        server.stop()
+    requests = limits.served + limits.limited
+    return {"rps": limits.served / (t1 - t0), "wall": t1 - t0, "limited": limits.limited,
+            "share": limits.limited / max(requests, 1), "failed": failed,
+            "deferred": deferred, "moves": moves}
+
+
+def bench_limits(sets: int, rate: float) -> list[db.Row]:
+    db.say(f"limits: {sets} sets against R = {rate:g} requests/s, load {db.loadavg()}")
+    rows: list[db.Row] = []
+    runs: list[tuple[str, int | str, str, float | None]] = [
+        ("adaptive", "adaptive", "seconds", None),
+        ("adaptive, no Retry-After", "adaptive", "none", None),
+        ("adaptive, R halved after 4 s", "adaptive", "seconds", 4.0),
+        ("fixed 4", 4, "seconds", None),
+        ("fixed 128", 128, "seconds", None),
+    ]
+    for name, concurrency, form, halve in runs:
+        r = limits_run(sets, rate, concurrency, form, halve)
+        target = rate / 2 if halve else rate
+        adaptive = concurrency == "adaptive"
+        rows += [
+            db.Row(f"{name}: requests/s served (wall {r['wall']:.1f} s)",
+                   f"{r['rps']:.1f} ({r['rps'] / target:.0%} of R)",
+                   ">= 90% of R" if adaptive and not halve else "",
+                   r["rps"] >= 0.9 * target if adaptive and not halve else None),
+            db.Row("  429s (share of requests)", f"{r['limited']} ({r['share']:.1%})",
+                   "<= 5%" if adaptive else "", r["share"] <= 0.05 if adaptive else None),
+            db.Row("  sets failed / retried later for rate limits / limit moves",
+                   f"{r['failed']} / {r['deferred']} / {r['moves']}",
+                   "0 failed" if adaptive else "", r["failed"] == 0 if adaptive else None),
+        ]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=("cpu", "limits", "all"))
+    parser.add_argument("--sets", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--thread-sets", type=int, default=1024,
+                        help="sets for the thread count at concurrency 1024 (0: skip)")
+    parser.add_argument("--rate", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    if args.which in ("cpu", "all"):
+        db.print_table("LLM path: CPU per job vs a bare acompletion loop",
+                       bench_cpu(args.sets or 256, args.concurrency, args.thread_sets))
+    if args.which in ("limits", "all"):
+        db.print_table("Adaptive vs fixed concurrency against a rate-limited loopback",
+                       bench_limits(args.sets or 200, args.rate))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,348 @@
+"""How many LLM calls one provider endpoint gets at once: a fixed number, or adaptive.
+
+Adaptive (`[loss] concurrency = "adaptive"`), one limiter per endpoint
+(model + api_base), after inspect_ai's adaptive connections and Netflix's
+concurrency-limits:
+
+- slow start: the limit doubles after each window of successes (a window is
+  as many successes as the limit) until the first rate-limit episode;
+- then AIMD: one more after each window of successes, halved on a 429 (or a
+  503 that says Retry-After). Only the first rate-limited reply of the calls
+  admitted under a limit halves it: a burst of 429s from one window is one
+  episode, not a collapse to the floor;
+- a Retry-After holds every call of the endpoint back until it has passed;
+- before the wall: when a reply's x-ratelimit-remaining-requests (or
+  anthropic-ratelimit-requests-remaining) is no more than the calls already
+  in flight, or the remaining tokens would not cover them, no new call starts
+  until the matching reset (x-ratelimit-reset-*: `0.2s`, `6m0s`; Anthropic:
+  an RFC 3339 time);
+- the limit only grows while the calls actually reach it (a limit nobody
+  uses says nothing about the provider).
+
+A call gives its slot back when it ends, also while it waits out a backoff
+(llm.acomplete), and takes one again for its next attempt.
+
+Everything here runs on the LLM loop's thread (daemon/llm_loop.py): no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from urllib.parse import urlsplit
+
+OnChange = Callable[..., None]  # (event name, **fields)
+SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
+HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
+MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
+
+
+@dataclass
+class Usage:
+    """Counters of one endpoint, read by the metrics at scrape time."""
+
+    rate_limited: int = 0
+    calls: int = 0
+
+
+class Limiter:
+    """The slots of one endpoint. `fixed` is a number: a plain semaphore (today's behaviour)."""
+
+    def __init__(self, endpoint: str, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
+                 on_change: OnChange | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.adaptive = fixed is None
+        self.floor, self.ceiling = (fixed, fixed) if fixed is not None else (floor, ceiling)
+        self.limit = fixed if fixed is not None else max(floor, min(SLOW_START_LIMIT, ceiling))
+        self.slow_start = self.adaptive
+        self.in_flight = 0
+        self.generation = 0  # bumped when the limit is cut: older calls' 429s are the same episode
+        self.hold_until = 0.0
+        self.usage = Usage()
+        self.on_change = on_change or (lambda *a, **k: None)
+        self.clock = clock
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._successes = 0  # in the current window
+        self._peak = 0  # most calls in flight or waiting since the limit last moved
+        self._timer: asyncio.TimerHandle | None = None
+        self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
+
+    # ------------------------------------------------------------- slots
+    async def acquire(self) -> int:
+        """Wait for a slot; the generation it was granted under (give it to release)."""
+        self._peak = max(self._peak, self.in_flight + len(self._waiters) + 1)
+        if not self._waiters and self._room():
+            self.in_flight += 1
+            return self.generation
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._arm_timer()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.in_flight -= 1  # granted as we were cancelled: hand it on
+                self._wake()
+            else:
+                self._remove(waiter)
+            raise
+        return self.generation
+
+    def release(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
+                headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
+        """A slot given back. `outcome`: "ok", "rate_limited", "error" or "unused"."""
+        self.in_flight -= 1
+        self.record(generation, outcome, retry_after_s=retry_after_s, headers=headers,
+                    tokens=tokens)
+        self._wake()
+
+    def record(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
+               headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
+        """What a call came to, for the limit (its slot may still be held)."""
+        if outcome != "unused":
+            self.usage.calls += 1
+        if outcome == "rate_limited":
+            self.usage.rate_limited += 1
+        if self.adaptive:
+            if outcome == "ok":
+                self._grow()
+            elif outcome == "rate_limited":
+                self._cut(generation, retry_after_s)
+            if tokens > 0:
+                self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
+            if headers:
+                self._pace(headers)
+
+    def _room(self) -> bool:
+        return self.in_flight < self.limit and self.clock() >= self.hold_until
+
+    def _wake(self) -> None:
+        while self._waiters and self._room():
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+        self._arm_timer()
+
+    def _remove(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
+    def _arm_timer(self) -> None:
+        """Wake the waiters when a hold ends (nothing else would)."""
+        delay = self.hold_until - self.clock()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._waiters and delay > 0:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._wake)
+
+    # ------------------------------------------------------------- the limit
+    def _grow(self) -> None:
+        self._successes += 1
+        if self._successes < self.limit:
+            return
+        used = self._peak >= self.limit
+        self._successes, self._peak = 0, self.in_flight + len(self._waiters)
+        if not used or self.limit >= self.ceiling:
+            return
+        new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
+        self._set(new, "slow start" if self.slow_start else "calls succeeded")
+
+    def _cut(self, generation: int, retry_after_s: float | None) -> None:
+        self.slow_start = False
+        if retry_after_s is not None and retry_after_s > 0:
+            self._hold(retry_after_s, "Retry-After")
+        if generation != self.generation:
+            return  # admitted under a limit already cut: the same episode
+        self.generation += 1
+        self._successes = 0
+        self._set(max(self.floor, self.limit // 2), "rate limited")
+
+    def _set(self, new: int, reason: str) -> None:
+        if new == self.limit:
+            return
+        old, self.limit = self.limit, new
+        self._peak = self.in_flight + len(self._waiters)
+        self.on_change("llm.limit_changed", endpoint=self.endpoint, limit=new, previous=old,
+                       reason=reason, in_flight=self.in_flight)
+
+    def _hold(self, seconds: float, reason: str) -> None:
+        until = self.clock() + min(seconds, MAX_HOLD_S)
+        if until <= self.hold_until + 0.05:
+            return  # already held at least as long: one event per hold
+        started = self.hold_until <= self.clock()
+        self.hold_until = until
+        if started:
+            self.on_change("llm.held", level="warning", endpoint=self.endpoint,
+                           wait_s=round(seconds, 3), reason=reason, limit=self.limit,
+                           in_flight=self.in_flight)
+
+    def _pace(self, headers: Mapping[str, str]) -> None:
+        """Slow down before the wall: the provider says its window is nearly spent."""
+        window = read_rate_headers(headers)
+        short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
+        if window.requests_left is not None and short > 0:
+            self._hold(_refill_s(window.requests_reset_s, window.requests_limit,
+                                 window.requests_left, short), "requests nearly spent")
+        if window.tokens_left is not None and self._tokens_per_call > 0:
+            need = self._tokens_per_call * (self.in_flight + 1) - window.tokens_left
+            if need > 0:
+                self._hold(_refill_s(window.tokens_reset_s, window.tokens_limit,
+                                     window.tokens_left, need), "tokens nearly spent")
+
+
+class Slot:
+    """One call's hold on its endpoint's limiter (no limiter: always free).
+
+    Taken before an attempt, given back when it ends with what happened, so
+    that a call waiting out a backoff holds nothing. `keep_after_reply`: a
+    successful reply's outcome is recorded but the slot kept until the next
+    give_back() (a loss job holds it until its report and spend are
+    recorded, so that the next job's budget check sees them).
+    """
+
+    def __init__(self, limiter: Limiter | None, *, keep_after_reply: bool = False) -> None:
+        self.limiter = limiter
+        self.held = False
+        self.keep_after_reply = keep_after_reply
+        self._generation = 0
+
+    async def take(self) -> None:
+        if self.limiter is not None and not self.held:
+            self._generation = await self.limiter.acquire()
+            self.held = True
+
+    def give_back(self, outcome: str = "unused", *, retry_after_s: float | None = None,
+                  headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
+        if self.limiter is not None and self.held:
+            if outcome == "ok" and self.keep_after_reply:
+                self.keep_after_reply = False  # the next give_back() frees it
+                self.limiter.record(self._generation, outcome, headers=headers, tokens=tokens)
+                return
+            self.held = False
+            self.limiter.release(self._generation, outcome, retry_after_s=retry_after_s,
+                                 headers=headers, tokens=tokens)
+
+
+def _refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
+    """How long until `short` more units are free. Providers refill their window
+    continuously (x-ratelimit-reset-* is when it is full again): the wait for
+    a few units is that share of the reset time, not all of it."""
+    if reset_s is None:
+        return HOLD_WITHOUT_RESET_S
+    if limit is None or limit <= left:
+        return reset_s
+    return min(reset_s, reset_s * short / (limit - left))
+
+
+# ------------------------------------------------------------------ headers
+@dataclass(frozen=True)
+class RateWindow:
+    requests_limit: int | None = None
+    requests_left: int | None = None
+    requests_reset_s: float | None = None
+    tokens_limit: int | None = None
+    tokens_left: int | None = None
+    tokens_reset_s: float | None = None
+
+
+_PREFIX = "llm_provider-"  # litellm repeats every provider header with this prefix
+
+
+def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
+    """OpenAI's x-ratelimit-* and Anthropic's anthropic-ratelimit-* in one shape."""
+    h: dict[str, str] = {}
+    for key, value in headers.items():
+        name = str(key).lower()
+        h.setdefault(name.removeprefix(_PREFIX), str(value))
+
+    def first(*names: str) -> str | None:
+        return next((h[n] for n in names if n in h), None)
+
+    return RateWindow(
+        requests_limit=_int(first("x-ratelimit-limit-requests",
+                                  "anthropic-ratelimit-requests-limit")),
+        tokens_limit=_int(first("x-ratelimit-limit-tokens", "anthropic-ratelimit-tokens-limit",
+                                "anthropic-ratelimit-input-tokens-limit")),
+        requests_left=_int(first("x-ratelimit-remaining-requests",
+                                 "anthropic-ratelimit-requests-remaining")),
+        requests_reset_s=parse_reset(first("x-ratelimit-reset-requests",
+                                           "anthropic-ratelimit-requests-reset")),
+        tokens_left=_int(first("x-ratelimit-remaining-tokens",
+                               "anthropic-ratelimit-tokens-remaining",
+                               "anthropic-ratelimit-input-tokens-remaining")),
+        tokens_reset_s=parse_reset(first("x-ratelimit-reset-tokens",
+                                         "anthropic-ratelimit-tokens-reset",
+                                         "anthropic-ratelimit-input-tokens-reset")),
+    )
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(float(value))
+    except ValueError:
+        return None
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def parse_reset(value: str | None, now: float | None = None) -> float | None:
+    """Seconds until a window resets: `0.2s`, `6m0s`, `1h2m3.5s`, `20ms`, `12` (seconds),
+    or an RFC 3339 time (Anthropic). None when unreadable."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if parts and "".join(n + u for n, u in parts) == text:
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+        return sum(float(n) * scale[u] for n, u in parts)
+    try:
+        at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        return None
+    return max(0.0, at.timestamp() - (time.time() if now is None else now))
+
+
+def endpoint_name(model: str, api_base: str | None) -> str:
+    """A short, bounded label for an endpoint: `gpt-4o-mini@127.0.0.1:8000`."""
+    name = model.rsplit("/", 1)[-1][:40]
+    where = urlsplit(api_base).netloc[:40] if api_base else ""
+    return f"{name}@{where}" if where else name
+
+
+class Limiters:
+    """One limiter per endpoint (model + api_base), made on first use."""
+
+    def __init__(self, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
+                 on_change: OnChange | None = None) -> None:
+        self.fixed, self.floor, self.ceiling = fixed, floor, ceiling
+        self.on_change = on_change
+        self._by_endpoint: dict[tuple[str, str | None], Limiter] = {}
+
+    def for_endpoint(self, model: str, api_base: str | None) -> Limiter:
+        key = (model, api_base)
+        limiter = self._by_endpoint.get(key)
+        if limiter is None:
+            # dict assignment is atomic: two threads racing make two, one is kept
+            limiter = self._by_endpoint.setdefault(key, Limiter(
+                endpoint_name(model, api_base), fixed=self.fixed, floor=self.floor,
+                ceiling=self.ceiling, on_change=self.on_change))
+        return limiter
+
+    def all(self) -> list[Limiter]:
+        return list(self._by_endpoint.values())

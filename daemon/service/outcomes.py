@@ -1,0 +1,151 @@
+"""What a loss job came to: the state, one event, and when to look at the set again.
+
+    reply written  -> loss.completed, cost.total, DONE (the step may be reported)
+    inputs changed -> loss.discarded, SETTLING (made anew once settled)
+    bad reply      -> loss.refused / loss.contradicted, FAILED, retried after backoff
+    bad input      -> loss.refused, REFUSED (until its files change)
+    call failed    -> loss.failed, FAILED, retried after backoff up to [loss] max_attempts;
+                      the provider's rate limit alone: loss.rate_limited, not counted
+    shutdown       -> QUEUED (found again at the next start)
+
+Where a set is retried: here (when), and reconcile's look at the time it says.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from ...handlers import loss
+from ..core import config, layout
+from ..core.errors import (
+    BadOutputError,
+    ConfigError,
+    ContradictedReportError,
+    InputsChangedError,
+    LLMError,
+    RefusedError,
+)
+from ..infra.state import SetState, StateStore
+from .observe import Fingerprint
+from .steps import Steps
+
+Emit = Callable[..., None]
+
+
+class Abandoned(Exception):
+    """Raised inside a job when the daemon shuts down while the job waits to retry."""
+
+
+class Outcomes:
+    """Records each job's outcome; counts the sets that will not complete by themselves."""
+
+    def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
+                 clock: Callable[[], float], steps: Steps,
+                 look_again: Callable[[layout.SetKey, float | None], None],
+                 settle_again: Callable[[layout.SetKey], None]) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.emit = emit
+        self.clock = clock
+        self.steps = steps
+        self.look_again = look_again  # (set, when or None for now): reconcile evaluates it
+        self.settle_again = settle_again  # inputs changed under a job: settle from now
+        self.failures = 0  # sets failed or refused (--once exit code)
+
+    def record(self, key: layout.SetKey, fp: Fingerprint, attempts: int,
+                result: loss.LossResult | None, error: BaseException | None) -> None:
+        """What the job came to: the state, one event, and when to look again."""
+        if error is None:
+            if result is not None:
+                self._completed(key, fp, result)
+            return
+        try:
+            raise error
+        except InputsChangedError as e:
+            # Not a report of what is on disk now: nothing written, the step
+            # not counted; the set settles again and is made anew.
+            self.emit("loss.discarded", level="warning", reason=str(e))
+            self.state.update(key.id, SetState.SETTLING, reason=str(e))
+            self.settle_again(key)
+        except ContradictedReportError as e:  # a BadOutputError: caught first
+            # Whole but confidently wrong: bogus signal, retried like a failed call.
+            self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
+        except BadOutputError as e:
+            # The reply, not the input, was bad: refused, and retried like a failure.
+            self.fail(key, fp, attempts, str(e), event="loss.refused")
+        except RefusedError as e:
+            self.failures += 1
+            self.emit("loss.refused", level="warning", reason=str(e))
+            self.state.update(key.id, SetState.REFUSED, reason=str(e),
+                              refused_fingerprint=fp.as_json())
+        except LLMError as e:
+            if e.rate_limited:
+                self._rate_limited(key, fp, attempts, str(e), e.retry_after_s)
+            else:
+                self.fail(key, fp, attempts, str(e), retry_after_s=e.retry_after_s)
+        except ConfigError as e:
+            self.fail(key, fp, attempts, str(e))
+        except OSError as e:
+            # A full disk, a permission: the job wrote nothing (all or none).
+            where = f" {e.filename}" if e.filename else ""
+            self.fail(key, fp, attempts,
+                       f"cannot write the report{where}: {e.strerror or type(e).__name__}")
+        except Abandoned:
+            self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
+
+    def _completed(self, key: layout.SetKey, fp: Fingerprint, result: loss.LossResult) -> None:
+        c = result.completion
+        spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
+                                     c.cost_usd, tokens_cache_write=c.tokens_cache_write)
+        # Logged before the set turns DONE: DONE may complete the step, and
+        # step.reported must come after the step's last loss.completed.
+        self.emit("loss.completed", report=str(result.report_path), tokens_in=c.tokens_in,
+                  tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
+                  duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
+                  attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
+                  craft_distance=result.sidecar.get("craft_distance"),
+                  **result.claims.event_fields())
+        self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
+                  cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
+                  tokens_cache_write=spend.tokens_cache_write)
+        self.steps.reopen(key)
+        self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
+                          fingerprint=fp.as_json())
+
+    def fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
+              retry_after_s: float | None = None, event: str = "loss.failed",
+              **details: Any) -> None:
+        attempts += 1
+        self.failures += 1
+        gave_up = attempts >= self.cfg.loss.max_attempts
+        next_at = None if gave_up else self._next_retry(attempts - 1)
+        if next_at is not None and retry_after_s is not None:
+            # The server's last word on when to come back, capped like in llm.complete.
+            next_at = max(next_at, self.clock() + min(retry_after_s, self.cfg.llm.backoff_max_s))
+        self.emit(event, level="error" if event == "loss.failed" else "warning", reason=reason,
+                  attempts=attempts,
+                  next_retry_s=None if next_at is None else round(next_at - self.clock(), 1),
+                  **details)
+        self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
+                          next_retry_at=next_at, fingerprint=fp.as_json())
+        if next_at is not None:
+            self.look_again(key, next_at)
+
+    def _rate_limited(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
+                      retry_after_s: float | None) -> None:
+        """The provider's rate limit, not the set, ended the call: tried again later,
+        and not counted against [loss] max_attempts (nor the exit code)."""
+        wait_s = self.cfg.loss.retry_backoff_s * random.uniform(0.8, 1.2)
+        if retry_after_s is not None:
+            wait_s = max(wait_s, min(retry_after_s, self.cfg.llm.backoff_max_s))
+        next_at = self.clock() + wait_s
+        self.emit("loss.rate_limited", level="warning", reason=reason, attempts=attempts,
+                  next_retry_s=round(wait_s, 1))
+        self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
+                          next_retry_at=next_at, fingerprint=fp.as_json())
+        self.look_again(key, next_at)
+
+    def _next_retry(self, failures_before: int) -> float:
+        base = self.cfg.loss.retry_backoff_s * 2 ** failures_before
+        return self.clock() + base * random.uniform(0.8, 1.2)

@@ -1,0 +1,345 @@
+"""The LLM concurrency limiter: its rules on their own, then against a loopback
+provider with real rate limits (tests/limited_llm_server.py), over real HTTP
+through litellm.acompletion on the daemon's LLM loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skilltrain.daemon.core.config import LLMConfig
+from skilltrain.daemon.infra import llm, llm_loop
+from skilltrain.daemon.infra.llm_limit import (
+    Limiter,
+    Slot,
+    endpoint_name,
+    parse_reset,
+    read_rate_headers,
+)
+from tests.conftest import LOOPBACK_MODEL
+from tests.daemon_helpers import Start, build_workspace, release_llm_clients, wait_until
+from tests.daemon_marks import DAEMON_TEST_MARKS
+from tests.limited_llm_server import RateLimits
+from tests.llm_server import LLMServer, Reply
+
+pytestmark = DAEMON_TEST_MARKS
+MESSAGES = [{"role": "user", "content": "Compare these two screenplays. " * 20}]
+
+
+@pytest.fixture(autouse=True)
+def _release_llm_clients() -> Iterator[None]:
+    yield
+    release_llm_clients()
+
+
+# ------------------------------------------------------------------ headers
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("0.2s", 0.2), ("6m0s", 360.0), ("1h2m3.5s", 3723.5), ("20ms", 0.02), ("12", 12.0),
+     ("1m30s", 90.0), ("soon", None), ("", None)],
+)
+def test_reset_headers_are_read_in_every_form(text: str, seconds: float | None) -> None:
+    assert parse_reset(text) == pytest.approx(seconds) if seconds is not None else (
+        parse_reset(text) is None)
+
+
+def test_an_rfc3339_reset_is_seconds_from_now() -> None:
+    assert parse_reset("2030-01-01T00:00:10Z", now=1893456000.0) == pytest.approx(10.0)
+
+
+def test_openai_anthropic_and_litellm_prefixed_headers_read_alike() -> None:
+    openai = read_rate_headers({"llm_provider-x-ratelimit-remaining-requests": "3",
+                                "llm_provider-x-ratelimit-reset-requests": "0.5s",
+                                "x-ratelimit-remaining-tokens": "900",
+                                "x-ratelimit-reset-tokens": "6m0s"})
+    assert (openai.requests_left, openai.requests_reset_s) == (3, 0.5)
+    assert (openai.tokens_left, openai.tokens_reset_s) == (900, 360.0)
+    anthropic = read_rate_headers({"anthropic-ratelimit-requests-remaining": "0",
+                                   "anthropic-ratelimit-tokens-remaining": "12"})
+    assert (anthropic.requests_left, anthropic.tokens_left) == (0, 12)
+
+
+def test_the_endpoint_label_is_short_and_bounded() -> None:
+    assert endpoint_name("openai/gpt-4o-mini", "http://127.0.0.1:8000/v1") == \
+        "gpt-4o-mini@127.0.0.1:8000"
+    assert len(endpoint_name("x/" + "m" * 500, "http://" + "h" * 500)) <= 81
+
+
+# ------------------------------------------------------------------ the rules
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limiter(**kw: Any) -> tuple[Limiter, list[dict[str, Any]], Clock]:
+    events: list[dict[str, Any]] = []
+    clock = Clock()
+    lim = Limiter("m@h", fixed=kw.pop("fixed", None), floor=kw.pop("floor", 1),
+                  ceiling=kw.pop("ceiling", 64),
+                  on_change=lambda event, **f: events.append({"event": event, **f}), clock=clock)
+    return lim, events, clock
+
+
+def run(coro: Any) -> Any:
+    # On the daemon's loop: asyncio.run() would replace (and orphan) a loop
+    # another library may have made for the main thread.
+    return llm_loop.shared().run(coro)
+
+
+def test_slow_start_doubles_then_a_429_halves_once_per_episode_then_it_grows_by_one() -> None:
+    async def scenario() -> None:
+        lim, events, _ = limiter()
+        assert lim.limit == 4
+        for _ in range(3):  # three full windows: 4 -> 8 -> 16 -> 32
+            gens = [await lim.acquire() for _ in range(lim.limit)]
+            for g in gens:
+                lim.release(g, "ok")
+        assert lim.limit == 32
+        assert [e["reason"] for e in events] == ["slow start"] * 3
+        gens = [await lim.acquire() for _ in range(32)]
+        for g in gens[:10]:  # ten 429s of calls started under one limit: one halving
+            lim.release(g, "rate_limited")
+        assert lim.limit == 16 and not lim.slow_start
+        for g in gens[10:]:
+            lim.release(g, "ok")
+        gens = [await lim.acquire() for _ in range(16)]
+        for g in gens:
+            lim.release(g, "ok")
+        assert lim.limit == 17  # additive now, not doubling
+        assert [e["limit"] for e in events][-2:] == [16, 17]
+        assert len(events) == 5  # one line per move, not per call
+
+    run(scenario())
+
+
+def test_the_limit_never_leaves_its_floor_and_ceiling() -> None:
+    async def scenario() -> None:
+        lim, _, _ = limiter(floor=3, ceiling=6)
+        for _ in range(5):
+            gens = [await lim.acquire() for _ in range(lim.limit)]
+            for g in gens:
+                lim.release(g, "ok")
+        assert lim.limit == 6
+        for _ in range(5):
+            g = await lim.acquire()
+            lim.release(g, "rate_limited")
+        assert lim.limit == 3
+
+    run(scenario())
+
+
+def test_an_unused_limit_does_not_grow() -> None:
+    async def scenario() -> None:
+        lim, events, _ = limiter()
+        for _ in range(50):  # one call at a time: the limit of 4 is never reached
+            lim.release(await lim.acquire(), "ok")
+        assert lim.limit == 4 and events == []
+
+    run(scenario())
+
+
+def test_a_retry_after_holds_every_call_back_until_it_has_passed() -> None:
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        lim.release(await lim.acquire(), "rate_limited", retry_after_s=0.3)
+        assert sorted(e["event"] for e in events) == ["llm.held", "llm.limit_changed"]
+        waiter = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # held, although slots are free
+        clock.now += 0.3
+        lim._wake()
+        await asyncio.sleep(0)
+        assert waiter.done()
+
+    run(scenario())
+
+
+def test_nearly_spent_headers_pause_new_calls_until_the_reset() -> None:
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        g1, g2 = await lim.acquire(), await lim.acquire()
+        lim.release(g1, "ok", headers={"x-ratelimit-remaining-requests": "1",
+                                       "x-ratelimit-reset-requests": "2s"})
+        assert lim.hold_until == pytest.approx(clock.now + 2.0)
+        assert events[-1]["reason"] == "requests nearly spent"
+        lim.release(g2, "ok", headers={"x-ratelimit-remaining-requests": "50"})
+        assert lim.limit == 4  # pacing is a pause, not a cut
+
+    run(scenario())
+
+
+def test_a_fixed_limit_is_a_plain_semaphore() -> None:
+    async def scenario() -> None:
+        lim, events, _ = limiter(fixed=2)
+        g = [await lim.acquire(), await lim.acquire()]
+        third = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0.01)
+        assert not third.done()
+        lim.release(g[0], "rate_limited", retry_after_s=30)
+        await asyncio.sleep(0.01)
+        assert third.done() and lim.limit == 2 and events == []
+        assert lim.usage.rate_limited == 1
+
+    run(scenario())
+
+
+def test_a_cancelled_waiter_gives_its_place_away() -> None:
+    async def scenario() -> None:
+        lim, _, _ = limiter(fixed=1)
+        g = await lim.acquire()
+        waiter = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        lim.release(g, "ok")
+        await asyncio.sleep(0)
+        assert lim.in_flight == 0
+        lim.release(await lim.acquire(), "ok")
+
+    run(scenario())
+
+
+# ---------------------------------------------------- against a limited provider
+
+
+def calls(server: LLMServer, lim: Limiter, n: int, *, retries: int = 12) -> list[Any]:
+    settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout=10.0,
+                         max_retries=retries, backoff_initial_s=0.05, backoff_max_s=2.0)
+
+    async def one() -> Any:
+        slot = Slot(lim)
+        try:
+            return await llm.acomplete(MESSAGES, settings, slot=slot)
+        except llm.LLMError as e:
+            return e
+
+    async def all_of_them() -> list[Any]:
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+
+    return llm_loop.shared().run(all_of_them())
+
+
+@pytest.mark.parametrize("form", ["seconds", "none"])
+def test_adaptive_calls_ride_a_provider_rate_limit_without_a_failure(form: str) -> None:
+    limits = RateLimits(requests_per_s=20, retry_after=form)
+    events: list[dict[str, Any]] = []
+    lim = Limiter("loopback", fixed=None, ceiling=64,
+                  on_change=lambda event, **f: events.append({"event": event, **f}))
+    with LLMServer(default=limits, latency=(0.15, 0.25)) as server:
+        t0 = time.monotonic()
+        results = calls(server, lim, 80)
+        elapsed = time.monotonic() - t0
+    failures = [r for r in results if isinstance(r, Exception)]
+    assert failures == []
+    assert limits.served == 80
+    reasons = [e["reason"] for e in events if e["event"] == "llm.limit_changed"]
+    assert "slow start" in reasons
+    # The bucket holds 20: the limit goes past it, meets 429s or the headers'
+    # warning, and is cut or paused, never left hammering.
+    assert limits.limited <= 80 * 0.5, (limits.limited, reasons)
+    assert elapsed < 80 / 20 + 4.0, elapsed
+    print(f"80 calls at R=20/s ({form}): {elapsed:.2f}s, {limits.limited} 429s, {reasons}")
+
+
+def test_the_limit_halves_on_429s_and_grows_back() -> None:
+    limits = RateLimits(requests_per_s=20)
+    events: list[dict[str, Any]] = []
+    lim = Limiter("loopback", fixed=None, ceiling=64,
+                  on_change=lambda event, **f: events.append({"event": event, **f}))
+    with LLMServer(default=limits, latency=(0.1, 0.1)) as server:
+        lim.limit, lim.slow_start = 40, False  # far above what 20/s at 0.1 s can take
+        results = calls(server, lim, 120)
+    assert not [r for r in results if isinstance(r, Exception)]
+    moves = [(e["reason"], e["limit"]) for e in events if e["event"] == "llm.limit_changed"]
+    cut = [n for reason, n in moves if reason == "rate limited"]
+    assert cut and cut[0] == 20, moves
+    first_cut = moves.index(("rate limited", cut[0]))
+    assert any(reason == "calls succeeded" for reason, _ in moves[first_cut:]), moves
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+def test_the_daemon_rides_a_rate_limited_provider_and_no_set_fails(
+    tmp_path: Path, start: Start
+) -> None:
+    """Adaptive (the default) against 6 requests/s with no retry within a job: a
+    call that meets a 429 ends its job, and the set is tried again later
+    without spending its attempts (max_attempts = 1 would otherwise fail it)."""
+    limits = RateLimits(requests_per_s=6)
+    with LLMServer(default=limits, latency=(0.1, 0.2)) as server:
+        ws = build_workspace(tmp_path, server.url, works={f"w{i}": 6 for i in range(6)},
+                             settle_s=0.0, concurrency="adaptive",  # type: ignore[arg-type]
+                             max_attempts=1, retry_backoff_s=0.2)
+        text = ws.config_path.read_text()
+        ws.config_path.write_text(text.replace("max_retries = 1", "max_retries = 0"))
+        sets = [s for step in (1, 2) for s in ws.write_step("r1", 1, step, success=True)]
+        start(ws)
+        wait_until(lambda: all(ws.has_report(s) for s in sets), 60, message="every report")
+    assert not ws.events("loss.failed") and not ws.events("loss.refused")
+    assert limits.limited > 0  # the provider's limit was met, not avoided by luck
+    deferred = ws.events("loss.rate_limited")
+    assert deferred and all(e["attempts"] == 0 for e in deferred)
+    moves = ws.events("llm.limit_changed")
+    assert moves and all(m["endpoint"].startswith("loopback-model@127.0.0.1:") for m in moves)
+    assert len(moves) < limits.served  # one line per move, not per call
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _our_threads() -> int:
+    """Threads of this process but the loopback server's (one per connection)."""
+    return sum(1 for t in threading.enumerate()
+               if "process_request" not in t.name and "llm-server" not in t.name)
+
+
+def test_a_call_past_the_whole_request_timeout_is_cancelled_and_leaves_no_thread() -> None:
+    with LLMServer() as server:
+        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout=0.5,
+                             max_retries=0, backoff_initial_s=0.01, backoff_max_s=0.01)
+        llm.complete(MESSAGES, settings)  # the loop, its executor and the client exist now
+        before = _our_threads()
+        server.script(*[Reply.trickle(every_s=0.1)] * 3)  # a byte each 0.1 s: no read timeout
+        t0 = time.monotonic()
+        for _ in range(3):
+            with pytest.raises(llm.LLMError, match="within 0.5s"):
+                llm.complete(MESSAGES, settings)
+        assert time.monotonic() - t0 < 3 * 0.5 + 1.0
+        assert _our_threads() <= before  # no helper thread per call, none left behind
+
+
+def test_prometheus_gets_each_endpoints_limit_in_flight_and_rate_limited_replies() -> None:
+    from prometheus_client import generate_latest
+
+    from skilltrain.daemon.infra.llm_limit import Limiters
+    from skilltrain.daemon.service.metrics import Metrics
+
+    limiters = Limiters(fixed=None, ceiling=64)
+    metrics = Metrics(lambda: {}, [])
+    metrics.watch_limiters(limiters)
+    lim = limiters.for_endpoint("openai/gpt-4o-mini", "http://127.0.0.1:8000/v1")
+
+    async def scenario() -> None:
+        g = await lim.acquire()
+        await lim.acquire()
+        lim.release(g, "rate_limited")
+
+    run(scenario())
+    text = generate_latest(metrics.registry).decode()
+    label = 'endpoint="gpt-4o-mini@127.0.0.1:8000"'
+    assert f"skilltrain_llm_concurrency_limit{{{label}}} 2.0" in text
+    assert f"skilltrain_llm_calls_in_flight{{{label}}} 1.0" in text
+    assert f"skilltrain_llm_rate_limited_responses_total{{{label}}} 1.0" in text
