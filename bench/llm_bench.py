@@ -109,8 +109,8 @@ class ThreadSampler:
 
 def write_config(ws: db.Workspace, api_base: str, model: str, concurrency: int | str,
                  **loss: Any) -> None:
-    text = config_toml(api_base, llm={"timeout": 60},
-                       loss={"settle_seconds": 0, "concurrency": concurrency, **loss},
+    text = config_toml(api_base, llm={"timeout_s": 60},
+                       loss={"settle_s": 0, "concurrency": concurrency, **loss},
                        log_file=ws.log_file, sections={"integrity": {"audit_on_start": False}})
     ws.config.write_text(text.replace(f'"{db.MODEL}"', f'"{model}"'), encoding="utf-8")
 

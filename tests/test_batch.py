@@ -21,6 +21,7 @@ from tests.daemon_helpers import (
     build_workspace,
     human_screenplays,
     model_episode,
+    stays,
     wait_until,
 )
 from tests.daemon_marks import DAEMON_TEST_MARKS
@@ -198,8 +199,10 @@ def test_a_restart_resumes_polling_and_pays_once(
     assert len(records(ws)) == 1
     start(ws)
     wait_until(all_reported(ws), 60, message="reported after the restart")
+    # The reports land a moment before the step is: wait for what is asserted.
+    wait_until(lambda: ws.events("step.reported"), 10, message="step.reported")
     assert server.creates == 1 and len(server.billed) == 3
-    assert len(ws.events("step.reported")) == 1
+    assert stays(lambda: len(ws.events("step.reported")) == 1, 0.3)
 
 
 def test_a_result_already_written_is_not_written_again(

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.batch_server import BatchPlan, BatchServer
-from tests.daemon_helpers import DaemonProcess, Workspace, build_workspace, wait_until
+from tests.daemon_helpers import DaemonProcess, Workspace, build_workspace, stays, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -54,6 +54,10 @@ def finish_and_check(ws: Workspace, server: BatchServer, *, creates: int) -> Non
                    START_TIMEOUT_S, message=lambda: f"reports; {d.stderr()[-800:]}")
         wait_until(lambda: not list(ws.runs.glob("r1/loss/.batches/*.json")), 20,
                    message="the batch record closed")
+        # The step is reported a moment after its last report: wait for it, then
+        # check that it stays once.
+        d.wait_event("step.reported", 20)
+        assert stays(lambda: len(ws.events("step.reported")) == 1, 0.3)
     sets = ws.sets_of_step("r1", 0, 0)
     assert server.creates == creates
     assert len(server.billed) == len(sets), server.billed  # every request paid once

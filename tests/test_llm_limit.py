@@ -215,7 +215,7 @@ def test_a_cancelled_waiter_gives_its_place_away() -> None:
 
 
 def calls(server: LLMServer, lim: Limiter, n: int, *, retries: int = 12) -> list[Any]:
-    settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout=10.0,
+    settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout_s=10.0,
                          max_retries=retries, backoff_initial_s=0.05, backoff_max_s=2.0)
 
     async def one() -> Any:
@@ -308,7 +308,7 @@ def _our_threads() -> int:
 
 def test_a_call_past_the_whole_request_timeout_is_cancelled_and_leaves_no_thread() -> None:
     with LLMServer() as server:
-        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout=0.5,
+        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout_s=0.5,
                              max_retries=0, backoff_initial_s=0.01, backoff_max_s=0.01)
         llm.complete(MESSAGES, settings)  # the loop, its executor and the client exist now
         before = _our_threads()
