@@ -282,3 +282,29 @@ def test_the_daemon_line_says_running_since_and_catching_up(few: Tree) -> None:
     assert stalled == sorted(few.running_for_hours) and len(stalled) == 2
     assert data["attention_total"] == len(few.attention) + 2
     assert all(f"stalled   {sid}" in text for sid in stalled)
+
+
+def test_the_llm_limits_and_open_batches_are_shown(few: Tree) -> None:
+    from skilltrain.daemon.service import batch_store
+
+    store = StateStore(few.runs)
+    store.load()
+    # What jobs records when an endpoint's adaptive limit moves (llm.limit_changed).
+    store.note_daemon(llm_limit=("gpt-4o-mini@127.0.0.1:9", 12))
+    store.note_daemon(llm_limit=("gpt-4o-mini@127.0.0.1:9", 6))
+    store.flush(pid=os.getpid())
+    store.close()
+    run = "run00"
+    rec = batch_store.BatchRecord(key="k1", run=run, step=f"{run}/epoch_00/step_00",
+                                  model="openai/gpt-4o-mini", state=batch_store.OPEN,
+                                  batch_id="batch_abc", submitted_at=time.time() - 120)
+    rec.items = [batch_store.BatchItem(custom_id=f"c{i}", set_id=f"s{i}", inputs={},
+                                       fingerprint={}, outcome="done" if i == 0 else None)
+                 for i in range(3)]
+    batch_store.save(few.runs, rec)
+    text, data = few.status(), few.json()
+    assert data["daemon"]["llm_limits"] == {"gpt-4o-mini@127.0.0.1:9": 6}
+    assert "LLM calls at once: gpt-4o-mini@127.0.0.1:9 6" in text
+    (batch,) = data["batches"]
+    assert (batch["batch_id"], batch["sets"], batch["done"]) == ("batch_abc", 3, 1)
+    assert "open batches (1):" in text and "batch_abc" in text

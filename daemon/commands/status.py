@@ -28,7 +28,7 @@ from typing import Any, TextIO
 from ..core import config, layout, state_db, state_queries
 from ..core.lock import LOCK_FILE, holder_pid
 from ..infra.state import BUDGET_REASON, DEFAULT_FILE, SetState, StateStore, record_json
-from ..service import run_record
+from ..service import batch_store, run_record
 from . import status_attention
 from .status_attention import KINDS, Policy
 
@@ -119,6 +119,8 @@ def _query(conn: sqlite3.Connection, runs: Path, only_run: str | None, policy: P
         "notices": [{"path": p, **n} for p, n in notices.items()
                     if only_run is None or found.run_of_path(p) == only_run],
         "loop": loop,
+        # Open provider batches (batch mode): their records under runs/<run>/loss/.batches/.
+        "batches": batch_store.open_batches(runs, only_run),
     }
 
 
@@ -145,9 +147,12 @@ def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str,
         activity = "catching up"
     else:
         activity = "idle"
+    limits = meta.get("llm_limits")
     return {"running": pid is not None, "pid": pid, "started_at": started,
             "state_written_at": _number(meta.get("heartbeat")), "scanned_at": scanned,
-            "activity": activity, "backlog": backlog}
+            "activity": activity, "backlog": backlog,
+            # Adaptive concurrency: each endpoint's calls-at-once limit as last moved.
+            "llm_limits": limits if isinstance(limits, dict) else {}}
 
 
 def _step_row(s: state_queries.StepCounts, rec: dict[str, Any] | None) -> dict[str, Any]:

@@ -36,8 +36,28 @@ def render(data: dict[str, Any], out: TextIO, *, run: str | None = None,
     if run is not None or show_all:
         title = f"steps of {run}" if run is not None else "steps"
         lines += ["", f"{title} ({len(data['steps']):,}):", *step_lines(data["steps"], now)]
+    lines += other_lines(data, now)
     lines += [""] + attention_lines(data, run=run)
     out.write("\n".join(lines) + "\n")
+
+
+def other_lines(data: dict[str, Any], now: float) -> list[str]:
+    """The LLM endpoints' calls-at-once limits (adaptive), the open provider batches."""
+    lines = []
+    limits = data["daemon"].get("llm_limits") or {}
+    if limits:
+        lines.append("LLM calls at once: " + ", ".join(
+            f"{tame(endpoint, 80)} {limit}" for endpoint, limit in sorted(limits.items())))
+    batches = data.get("batches") or []
+    if batches:
+        lines += ["", f"open batches ({len(batches):,}):"]
+        rows = [["run", "step", "batch", "state", "sets", "done", "failed", "submitted"]]
+        rows += [[tame(b["run"], 40), b["step"], tame(b["batch_id"] or "(not yet)", 40),
+                  b["provider_status"] or b["state"], f"{b['sets']:,}", f"{b['done']:,}",
+                  f"{b['failed']:,}", "-" if b["submitted_ago_s"] is None
+                  else f"{ago(now - b['submitted_ago_s'], now)} ago"] for b in batches]
+        lines += columns(rows, right={4, 5, 6})
+    return lines
 
 
 def daemon_line(data: dict[str, Any], now: float) -> str:

@@ -121,6 +121,7 @@ class StateStore:
         # one ends, what the state says may be a previous run's).
         self.started_at: float | None = None
         self.scanned_at: float | None = None
+        self.llm_limits: dict[str, int] = {}  # endpoint -> calls at once now (replaced whole)
         self._meta_changed = False
 
     @property
@@ -313,14 +314,15 @@ class StateStore:
                 del self.notices[path]
                 self._dirty["notices"].add(path)
 
-    def note_daemon(self, *, started_at: float | None = None,
-                    scanned_at: float | None = None) -> None:
-        """Record when the daemon started or finished a scan (written by the next flush)."""
+    def note_daemon(self, *, started_at: float | None = None, scanned_at: float | None = None,
+                    llm_limit: tuple[str, int] | None = None) -> None:
+        """Record when the daemon started or finished a scan, an endpoint's calls-at-once
+        limit now (for `status`; written by the next flush)."""
         with self.lock:
-            if started_at is not None:
-                self.started_at = started_at
-            if scanned_at is not None:
-                self.scanned_at = scanned_at
+            self.started_at = started_at or self.started_at
+            self.scanned_at = scanned_at or self.scanned_at
+            if llm_limit is not None:
+                self.llm_limits = {**self.llm_limits, llm_limit[0]: llm_limit[1]}
             self._meta_changed = True
 
     def counts(self) -> Counter[str]:
@@ -349,7 +351,8 @@ class StateStore:
                     self._db = StateDB(self.path)
                 self._db.write(changes, {"daemon_pid": pid, "heartbeat": time.time(),
                                          "started_at": self.started_at,
-                                         "scanned_at": self.scanned_at})
+                                         "scanned_at": self.scanned_at,
+                                         "llm_limits": self.llm_limits})
             except (sqlite3.Error, OSError) as e:
                 with self.lock:
                     self._meta_changed = True

@@ -176,7 +176,8 @@ class Jobs:
         # One per LLM endpoint: as `[loss] concurrency` says (a number, or adaptive).
         self.limiters = Limiters(fixed=cfg.loss.fixed_concurrency,
                                  floor=cfg.loss.concurrency_min_calls,
-                                 ceiling=cfg.loss.concurrency_max_calls, on_change=emit)
+                                 ceiling=cfg.loss.concurrency_max_calls,
+                                 on_change=self._limit_event)
         metrics.watch_limiters(self.limiters)
         self.llm = llm_loop
         self.abort = threading.Event()  # abandon jobs waiting to retry
@@ -212,6 +213,12 @@ class Jobs:
             self._job(key, work, fp, uuid.uuid4().hex[:12], attempts, finish)))
         future.add_done_callback(log.report_task_failure)
         return future
+
+    def _limit_event(self, event: str, **fields: Any) -> None:
+        """A limiter's event, logged; a limit that moved is kept for `status` too."""
+        self.emit(event, **fields)
+        if event == "llm.limit_changed":
+            self.state.note_daemon(llm_limit=(str(fields["endpoint"]), int(fields["limit"])))
 
     def hold_if_over_budget(self, key: layout.SetKey) -> bool:
         """Over budget: the set is held (or its report stays stale) instead of run."""
