@@ -1,0 +1,116 @@
+"""Batch mode against live, one step of 12 sets, same loopback prices.
+
+    .venv/bin/python bench/batch_bench.py [--open-s 20] [--poll-s 2]
+
+Both halves run the real `skilltrain daemon` as a child process against the
+loopback OpenAI-compatible server of the tests (tests/batch_server.py: chat
+completions for live, /v1/files + /v1/batches for batch), with the model id
+`openai/gpt-4o-mini`, whose live and batch prices are in litellm's cost map.
+Printed side by side: the reported cost (sum of the sidecars), the batch's
+cost as a share of live; the daemon's CPU and the provider polls while the
+batch is open on the server (the daemon should idle between polls); the time
+from the batch's completion on the server to the step's `step.reported`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from tests.batch_server import BatchPlan, BatchServer  # noqa: E402
+from tests.daemon_helpers import DaemonProcess, Workspace, build_workspace  # noqa: E402
+
+MODEL = "openai/gpt-4o-mini"
+WORKS = {"alpha": 12, "beta": 12, "gamma": 12}  # 3 episodes a report: 12 sets in the step
+
+
+def workspace(root: Path, server: BatchServer, mode: str, poll_s: float) -> Workspace:
+    ws = build_workspace(root, server.url, works=WORKS, settle_s=0.2)
+    text = ws.config_path.read_text(encoding="utf-8")
+    extra = (f'mode = "{mode}"\nbatch_gather_s = 1.0\nbatch_poll_s = {poll_s}\n'
+             f"batch_poll_max_s = {poll_s * 4}\n")
+    text = text.replace('model = "openai/loopback-model"\n', f'model = "{MODEL}"\n{extra}')
+    ws.config_path.write_text(text, encoding="utf-8")
+    ws.write_step("r1", 0, 0, success=True)
+    return ws
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wall(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def cost(ws: Workspace) -> float:
+    sidecars = [json.loads(p.read_text()) for p in ws.runs.glob("r1/loss/*/*/*.json")]
+    assert len(sidecars) == 12, len(sidecars)
+    return sum(s["cost_usd"] or 0.0 for s in sidecars)
+
+
+def live(root: Path, poll_s: float) -> float:
+    with BatchServer() as server:
+        ws = workspace(root, server, "live", poll_s)
+        with DaemonProcess(ws, "--once") as d:
+            assert d.wait(300) == 0, d.stderr()[-2000:]
+        assert server.live_requests == 12
+        return cost(ws)
+
+
+def batch(root: Path, open_s: float, poll_s: float) -> dict[str, float]:
+    with BatchServer() as server:
+        server.plan = BatchPlan(latency_s=open_s)
+        ws = workspace(root, server, "batch", poll_s)
+        with DaemonProcess(ws) as d:
+            d.wait_event("batch.submitted", 300)
+            (created,) = server.batch_list()
+            # The server's batch is done open_s after its create (its monotonic clock).
+            done_wall = time.time() - (time.monotonic() - (created.created_at + open_s))
+            time.sleep(1.0)  # the submit's own work done
+            cpu0, polls0, t0 = cpu_s(d.pid), server.polls, time.monotonic()
+            while time.monotonic() - t0 < open_s - 2.0:
+                time.sleep(0.2)
+            window = time.monotonic() - t0
+            cpu, polls = cpu_s(d.pid) - cpu0, server.polls - polls0
+            reported = d.wait_event("step.reported", 300)
+            latency = wall(reported) - done_wall
+        assert server.creates == 1 and len(server.billed) == 12
+        return {"cost": cost(ws), "cpu_pct": 100 * cpu / window, "window_s": window,
+                "polls": polls, "latency_s": latency}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--open-s", type=float, default=20.0, help="the batch stays open this long")
+    parser.add_argument("--poll-s", type=float, default=2.0, help="[llm] batch_poll_s (max 4x)")
+    args = parser.parse_args()
+    with TemporaryDirectory() as a, TemporaryDirectory() as b:
+        live_cost = live(Path(a), args.poll_s)
+        got = batch(Path(b), args.open_s, args.poll_s)
+    print(f"12 sets, {MODEL} prices, loopback; batch open {args.open_s:g} s, "
+          f"batch_poll_s {args.poll_s:g} (max {args.poll_s * 4:g})")
+    print(f"{'figure':<58} {'live':>12} {'batch':>12}")
+    print(f"{'reported cost of the step, USD':<58} {live_cost:>12.6f} {got['cost']:>12.6f}")
+    print(f"{'batch / live cost (target 0.5)':<58} {'':>12} {got['cost'] / live_cost:>12.3f}")
+    print(f"{'daemon CPU while the batch is open, % of a core (< 0.5)':<58} {'':>12} "
+          f"{got['cpu_pct']:>12.3f}")
+    print(f"{'provider polls in that window of ' + format(got['window_s'], '.0f') + ' s':<58} "
+          f"{'':>12} {got['polls']:>12.0f}")
+    print(f"{'batch completed on the server -> step.reported, s':<58} {'':>12} "
+          f"{got['latency_s']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
