@@ -172,7 +172,6 @@ class Jobs:
         self.claims = claims
         self.heartbeat = heartbeat
         self.look_again = look_again  # (set, when or None for now): reconcile evaluates it
-        self.settle_again = settle_again  # inputs changed under a job: settle from now
         # One per LLM endpoint: as `[loss] concurrency` says (a number, or adaptive).
         self.limiters = Limiters(fixed=cfg.loss.fixed_concurrency,
                                  floor=cfg.loss.concurrency_min_calls,

@@ -9,10 +9,19 @@
                                   steps (barrier, markers, optimizer) ──> loop (next writer)
 
 Data flows one way, down this picture; a lower part that must make an upper
-one look again (a job ends, a retry falls due) gets a callback, never an
-import. This module builds the parts, starts them in order, runs the main
-thread's loop (health, state flush, systemd status) and shuts them down
-within `[daemon] shutdown_timeout_s`.
+one look again gets a callback, never an import. The callbacks that remain,
+all wired in `Daemon.__init__` below:
+- jobs -> reconcile: `look_again(key, when)` (a job ended, a retry falls due:
+  outcomes.py decides when) and `settle_again(key)` (inputs changed mid-call);
+- loop -> reconcile: `request_scan()` (a writer finished its step);
+- loop -> steps: `optimizer_exhausted(step)`, `retry_optimizer(step)` (the
+  steps own the optimizer's attempts);
+- steps -> discovery: `expected_sets(step)`;
+- watcher -> reconcile: `hint(path)`, `rescan()`; reconcile -> here: `scanned`.
+
+This module builds the parts, starts them in order, runs the main thread's
+loop (health, state flush, systemd status) and shuts them down within
+`[daemon] shutdown_timeout_s`.
 """
 from __future__ import annotations
 
