@@ -1,4 +1,4 @@
-"""`skilltrain daemon`: the service's life: start, ready, run, shutdown, signals.
+"""The service's life: build the parts, start, ready, catch-up scan, run, shutdown.
 
     watcher (watchdog events) ──> reconcile (scan, evaluate a set; discovery, settle)
                                       │ submit
