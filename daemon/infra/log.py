@@ -292,15 +292,30 @@ class _ResilientFileHandler(logging.handlers.WatchedFileHandler):
     by logging's handleError instead of raised into our code.
     """
 
+    _closed = False
+
     def _open(self) -> Any:
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
 
     def emit(self, record: logging.LogRecord) -> None:
+        # A thread that took this handler before shutdown() removed it (a late
+        # audit line) must not reopen the file that close() just closed: no
+        # one would close it again.
+        if self._closed:
+            return
         try:
             super().emit(record)
         except Exception:
             self.handleError(record)
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            self._closed = True
+            super().close()
+        finally:
+            self.release()
 
 
 def configure(
