@@ -1,4 +1,4 @@
-"""First contact and LLM faults: exit codes, messages, bounds (issue 12).
+"""First contact and LLM faults: exit codes, messages, bounds.
 
 What a new user meets first: a missing key, a closed api_base, a misspelt
 template variable, a missing data/ folder, no config.toml at all, a bad

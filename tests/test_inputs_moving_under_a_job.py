@@ -1,4 +1,4 @@
-"""No bogus training signal from inputs that move under a job (issue 12).
+"""No bogus training signal from inputs that move under a job.
 
 The daemon is real (watchdog, APScheduler, litellm over HTTP to the loopback
 server, a real optimizer subprocess); the writers are real file operations,

@@ -1,4 +1,4 @@
-"""Service details (issue 12): umask, the optimizer's environment, a quiet stop."""
+"""Service details: umask, the optimizer's environment, a quiet stop."""
 
 from __future__ import annotations
 

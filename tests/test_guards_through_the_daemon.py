@@ -1,10 +1,10 @@
 """Guards a mutation run found unguarded, each through the real daemon.
 
-Each test here failed when its guard was broken on purpose (see
-/work/notes/issue-13.md for the break each one catches): `[integrity]
-on_leak = "refuse"`, the prompt archive's leak check, the start-up audit and
-its cache, the two settle guards ("changed since we last looked" and
-"changed while queued") and a set held back by the budget.
+Each test here failed when its guard was broken on purpose (the break each
+one catches is in its own comments): `[integrity] on_leak = "refuse"`, the
+prompt archive's leak check, the start-up audit and its cache, the two settle
+guards ("changed since we last looked" and "changed while queued") and a set
+held back by the budget.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No silent set, no link to the answer key, no binary "screenplay" (issue 12, and 11's links).
+"""No silent set, no link to the answer key, no binary "screenplay".
 
 One tree holds a good work next to one defect per work, plus defects in the
 folders above the works (a misnumbered epoch, run and work folders that are
