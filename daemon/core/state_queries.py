@@ -58,16 +58,8 @@ def sets_in_states(conn: sqlite3.Connection, states: Iterable[str], *,
     wanted = list(states)
     if not wanted:
         return []
-    query = (f"SELECT key, {_SET_COLUMNS} FROM sets "
-             f"WHERE state IN ({', '.join('?' * len(wanted))})")
-    args: list[Any] = list(wanted)
-    if prefix is not None:
-        query += " AND " + _under(prefix, args)
-    query += " ORDER BY key"
-    if limit is not None:
-        query += " LIMIT ?"
-        args.append(limit)
-    return [_set_row(row) for row in conn.execute(query, args)]
+    return _select_sets(conn, f"state IN ({', '.join('?' * len(wanted))})", list(wanted),
+                        prefix, limit)
 
 
 def sets_under(conn: sqlite3.Connection, prefix: str | None = None) -> list[dict[str, Any]]:
@@ -105,9 +97,14 @@ def stale_held(conn: sqlite3.Connection, reason: str) -> dict[str, int]:
 
 def stale_held_sets(conn: sqlite3.Connection, reason: str, *, prefix: str | None = None,
                     limit: int | None = None) -> list[dict[str, Any]]:
-    args: list[Any] = [reason]
-    query = (f"SELECT key, {_SET_COLUMNS} FROM sets WHERE state = 'stale' "
-             "AND json_extract(value, '$.reason') = ?")
+    return _select_sets(conn, "state = 'stale' AND json_extract(value, '$.reason') = ?",
+                        [reason], prefix, limit)
+
+
+def _select_sets(conn: sqlite3.Connection, where: str, args: list[Any], prefix: str | None,
+                 limit: int | None) -> list[dict[str, Any]]:
+    """The sets matching `where` (and under `prefix`), in key order, at most `limit`."""
+    query = f"SELECT key, {_SET_COLUMNS} FROM sets WHERE {where}"
     if prefix is not None:
         query += " AND " + _under(prefix, args)
     query += " ORDER BY key"
