@@ -45,10 +45,7 @@ def sha256_text(text: str) -> str:
 
 def episodes_digest(episodes: Mapping[int, str]) -> str:
     """One hash over a range of episodes, sensitive to numbering and content."""
-    h = hashlib.sha256()
-    for n in sorted(episodes):
-        h.update(f"{n}:{sha256_text(episodes[n])}\n".encode())
-    return h.hexdigest()
+    return _range_digest({n: sha256_text(text) for n, text in episodes.items()})
 
 
 def files_digest(paths: Mapping[int, str]) -> str | None:
@@ -60,14 +57,21 @@ def files_digest(paths: Mapping[int, str]) -> str | None:
     inputs a report was made from?" at the cost of the hashing alone: a cold
     start asks it for every set. Nothing read here leaves the process.
     """
-    h = hashlib.sha256()
-    for n in sorted(paths):
+    hashes = {}
+    for n, path in paths.items():
         try:  # non-blocking: a FIFO swapped in since it was looked at reads as empty
-            with open(os.open(paths[n], os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-                data = f.read()
+            with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                hashes[n] = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             return None
-        h.update(f"{n}:{hashlib.sha256(data).hexdigest()}\n".encode())
+    return _range_digest(hashes)
+
+
+def _range_digest(hashes: Mapping[int, str]) -> str:
+    """The one way a range's per-episode hashes become its digest (both above use it)."""
+    h = hashlib.sha256()
+    for n in sorted(hashes):
+        h.update(f"{n}:{hashes[n]}\n".encode())
     return h.hexdigest()
 
 
