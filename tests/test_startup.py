@@ -172,3 +172,31 @@ def test_a_start_killed_while_it_catches_up_keeps_what_it_looked_at(
         assert {d.daemon.state.get(s.id).state for s in sets} == {"done"}
     assert len(read) == STEPS - recorded
     assert llm_server.request_count == requests
+
+
+def test_sidecars_of_an_older_daemon_are_checked_by_hashing_the_episodes(
+    tmp_path: Path, llm_server: LLMServer
+) -> None:
+    # Sidecars written before they kept the episodes' stat signature: a start
+    # with no state must hash the files, find them unchanged, and ask nothing;
+    # an episode changed since is redone.
+    import json
+
+    ws, sets = reported_tree(tmp_path, llm_server)
+    for s in sets:
+        sidecar = json.loads(ws.sidecar(s).read_text(encoding="utf-8"))
+        del sidecar["model_stat_sigs"]
+        ws.sidecar(s).write_text(json.dumps(sidecar), encoding="utf-8")
+    changed = sets[0]
+    episode = ws.scripts(changed.run, changed.epoch, changed.step, changed.work) / "ep02.txt"
+    episode.write_text(episode.read_text(encoding="utf-8") + "\nA new line.\n", encoding="utf-8")
+    requests = llm_server.request_count
+    run_once_in_process(ws)
+    assert requests_for(llm_server, requests) == [changed.id]
+
+
+def requests_for(server: LLMServer, after: int) -> list[str]:
+    from tests.daemon_helpers import set_of_request
+
+    found = [set_of_request(r) for r in server.requests[after:]]
+    return [SetId(*f).id for f in found if f is not None]
