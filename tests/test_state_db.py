@@ -291,3 +291,19 @@ def test_a_version_1_database_is_read_by_status_and_upgraded_by_the_daemon(
     after = status.collect(runs, all_sets=True)
     for key in ("totals", "runs", "steps", "attention", "sets"):
         assert after[key] == before[key], key
+
+
+def test_a_set_first_recorded_in_a_state_with_nothing_else_to_say_is_kept(
+    tmp_path: Path,
+) -> None:
+    store = StateStore(tmp_path / "runs", tmp_path / "state.sqlite3")
+    store.update("r1/epoch_01/step_01/alpha/01-03", SetState.DONE)
+    rec = store.get("r1/epoch_01/step_01/alpha/01-03")
+    assert rec is not None and rec.state == SetState.DONE
+    assert store.counts().get("done") == 1
+    store.flush(force=True)
+    store.close()
+    again = StateStore(tmp_path / "runs", tmp_path / "state.sqlite3")
+    again.load()
+    assert (r := again.get("r1/epoch_01/step_01/alpha/01-03")) and r.state == SetState.DONE
+    again.close()

@@ -241,7 +241,7 @@ class StateStore:
         with self.lock:
             known = self.sets.get(set_id)
             rec = known or SetRecord(state=state)
-            if rec.state != state or changes:
+            if known is None or rec.state != state or changes:  # a new set is kept
                 if known is not None:
                     self._counts[rec.state.value] -= 1
                 self._counts[state.value] += 1
