@@ -129,12 +129,12 @@ def test_a_set_whose_storage_hangs_does_not_hold_up_the_others(
         return real_observe(key, runs, data)
 
     monkeypatch.setattr(reconcile, "observe", observe)
-    stuck = threading.Thread(target=d.daemon.reconcile.evaluate, args=[keys[slow.id]])
+    stuck = threading.Thread(target=d.daemon.reconcile.look, args=[keys[slow.id]])
     stuck.start()
     try:
         assert hung.wait(5)
         for key in (keys[other.id], keys[slow.id]):
-            t = threading.Thread(target=d.daemon.reconcile.evaluate, args=[key])
+            t = threading.Thread(target=d.daemon.reconcile.look, args=[key])
             t.start()
             t.join(2)
             assert not t.is_alive(), f"evaluate({key.id}) waited for the hung set"
@@ -152,6 +152,7 @@ def test_a_later_look_never_postpones_an_earlier_pending_one(
     """An evaluation that ends in a settle wait (look again in 30 s) races the
     `_SUCCESS` event that asked for a look now: the earlier look must stay."""
     from skilltrain.daemon.service import reconcile
+    from skilltrain.daemon.service.revisit import Revisit, Why
 
     monkeypatch.setattr(reconcile, "HINT_DEBOUNCE_S", 3.0)  # room to race it by hand
     ws = build_workspace(tmp_path, llm_server.url, works={"alpha": 3}, settle_s=30.0)
@@ -169,7 +170,7 @@ def test_a_later_look_never_postpones_an_earlier_pending_one(
 
     (scripts / "_SUCCESS").write_bytes(b"")
     wait_until(lambda: pending_in(4.0), 5, message="the look _SUCCESS asked for")
-    d.daemon.reconcile.schedule_evaluate(key, at_s=time.time() + 30)  # the racing settle wait
+    d.daemon.revisits.ask(Revisit(key, time.time() + 30, Why.SETTLE))  # the racing settle wait
     assert pending_in(4.0)
     wait_until(lambda: ws.has_report(s), 10, message="the report, long before 30 s")
 

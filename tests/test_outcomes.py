@@ -1,6 +1,7 @@
 """What a loss job came to, and when its set is tried again: the retry policy
-on its own (daemon/service/outcomes.py), with a clock the test sets, a real
-state store, and no daemon, watcher or LLM."""
+on its own (daemon/service/outcomes.py, core/backoff.py), with a clock the
+test sets, a real state store, and no daemon, watcher or LLM. The look a
+set needs next is the value `record` returns (a Revisit)."""
 
 from __future__ import annotations
 
@@ -19,19 +20,19 @@ from skilltrain.daemon.core.errors import (
 from skilltrain.daemon.infra.state import SetState, StateStore
 from skilltrain.daemon.service.observe import Fingerprint
 from skilltrain.daemon.service.outcomes import Abandoned, Outcomes
+from skilltrain.daemon.service.revisit import Revisit, Why
 
 KEY = layout.SetKey("r1", 1, 2, "alpha", 1, 3)
 FP = Fingerprint("sigs", "human", "template", "model")
 NOW = 1_000_000.0
+SETTLE_S = 7.0
 
 
 class Recorder:
-    """The parts Outcomes calls back into, as a record of what it asked."""
+    """The events Outcomes said."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, dict[str, Any]]] = []
-        self.looks: list[tuple[layout.SetKey, float | None]] = []
-        self.settles: list[layout.SetKey] = []
 
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         self.events.append((event, {"level": level, **fields}))
@@ -39,12 +40,11 @@ class Recorder:
 
 def outcomes(tmp_path: Path, rec: Recorder, **loss: Any) -> tuple[Outcomes, StateStore]:
     cfg = config.Config.model_validate(
-        {"loss": {"max_attempts": 3, "retry_backoff_s": 10.0, **loss},
+        {"loss": {"max_attempts": 3, "retry_backoff_s": 10.0, "settle_s": SETTLE_S, **loss},
          "llm": {"backoff_max_s": 120.0}})
     state = StateStore(tmp_path / "runs", tmp_path / "state.sqlite3")
-    return Outcomes(cfg, state, rec.emit, clock=lambda: NOW, steps=None,  # type: ignore[arg-type]
-                    look_again=lambda key, when: rec.looks.append((key, when)),
-                    settle_again=rec.settles.append), state
+    return Outcomes(cfg, state, rec.emit, clock=lambda: NOW,
+                    steps=None), state  # type: ignore[arg-type]
 
 
 def test_a_failed_call_is_retried_after_a_doubling_jittered_backoff_up_to_max_attempts(
@@ -52,14 +52,13 @@ def test_a_failed_call_is_retried_after_a_doubling_jittered_backoff_up_to_max_at
 ) -> None:
     rec = Recorder()
     out, state = outcomes(tmp_path, rec)
-    waits = []
-    for attempts in range(3):
-        out.record(KEY, FP, attempts, None, LLMError("HTTP 500"))
-        waits.append(rec.looks[-1][1] if len(rec.looks) > attempts else None)
+    looks = [out.record(KEY, FP, attempts, None, LLMError("HTTP 500")) for attempts in range(3)]
+    waits = [None if r is None or r.at is None else r.at - NOW for r in looks]
     # 10 s, then 20 s, each +-20 %; the third failure is the last (max_attempts 3).
-    assert waits[0] is not None and 8.0 <= waits[0] - NOW <= 12.0
-    assert waits[1] is not None and 16.0 <= waits[1] - NOW <= 24.0
-    assert waits[2] is None and len(rec.looks) == 2
+    assert waits[0] is not None and 8.0 <= waits[0] <= 12.0
+    assert waits[1] is not None and 16.0 <= waits[1] <= 24.0
+    assert looks[2] is None
+    assert all(r.key == KEY and r.why == Why.RETRY for r in looks[:2] if r is not None)
     assert [e["attempts"] for name, e in rec.events if name == "loss.failed"] == [1, 2, 3]
     assert rec.events[-1][1]["next_retry_s"] is None  # gave up: said so
     final = state.get(KEY.id)
@@ -70,20 +69,20 @@ def test_a_failed_call_is_retried_after_a_doubling_jittered_backoff_up_to_max_at
 def test_a_retry_after_longer_than_the_backoff_wins_and_is_capped(tmp_path: Path) -> None:
     rec = Recorder()
     out, _ = outcomes(tmp_path, rec)
-    out.record(KEY, FP, 0, None, LLMError("HTTP 503", retry_after_s=90.0))
-    assert rec.looks[-1][1] == NOW + 90.0
-    out.record(KEY, FP, 1, None, LLMError("HTTP 503", retry_after_s=10_000.0))
-    assert rec.looks[-1][1] == NOW + 120.0  # [llm] backoff_max_s
+    first = out.record(KEY, FP, 0, None, LLMError("HTTP 503", retry_after_s=90.0))
+    assert first == Revisit(KEY, NOW + 90.0, Why.RETRY)
+    second = out.record(KEY, FP, 1, None, LLMError("HTTP 503", retry_after_s=10_000.0))
+    assert second == Revisit(KEY, NOW + 120.0, Why.RETRY)  # [llm] backoff_max_s
 
 
 def test_a_rate_limited_call_is_retried_without_using_an_attempt(tmp_path: Path) -> None:
     rec = Recorder()
     out, state = outcomes(tmp_path, rec)
-    for _ in range(5):  # more than max_attempts: none of them counts
-        out.record(KEY, FP, 0, None, LLMError("HTTP 429", retry_after_s=30.0,
-                                              rate_limited=True))
+    looks = [out.record(KEY, FP, 0, None, LLMError("HTTP 429", retry_after_s=30.0,
+                                                   rate_limited=True))
+             for _ in range(5)]  # more than max_attempts: none of them counts
     assert [name for name, _ in rec.events] == ["loss.rate_limited"] * 5
-    assert all(when is not None and when >= NOW + 30.0 for _, when in rec.looks)
+    assert all(r is not None and r.at is not None and r.at >= NOW + 30.0 for r in looks)
     final = state.get(KEY.id)
     assert final is not None and final.attempts == 0 and out.failures == 0
 
@@ -100,11 +99,14 @@ def test_each_other_way_out_sets_its_state_and_says_it_once(
 ) -> None:
     rec = Recorder()
     out, store = outcomes(tmp_path, rec)
-    out.record(KEY, FP, 0, None, error)
+    look = out.record(KEY, FP, 0, None, error)
     assert [name for name, _ in rec.events] == ([event] if event else [])
     final = store.get(KEY.id)
     assert final is not None and final.state == state
-    # Bad input waits for its files to change; a changed input settles again;
-    # a bad reply is retried; a shutdown leaves it for the next start.
-    assert rec.settles == ([KEY] if state == SetState.SETTLING else [])
-    assert len(rec.looks) == (1 if state == SetState.FAILED else 0)
+    # Bad input waits for its files to change; a changed input settles again
+    # (its settle wait starts afresh: [loss] settle_s from now); a bad reply
+    # is retried; a shutdown leaves it for the next start.
+    expected = {SetState.SETTLING: Why.RESETTLE, SetState.FAILED: Why.RETRY}.get(state)
+    assert (look.why if look else None) == expected
+    if state == SetState.SETTLING:
+        assert look == Revisit(KEY, NOW + SETTLE_S, Why.RESETTLE)

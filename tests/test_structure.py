@@ -6,7 +6,7 @@
   <- daemon/service <- daemon/commands; a folder imports only from those
   below it (the commands a person runs are the top, the foundation the bottom).
 - The service's parts import only downward: process -> lifecycle -> reconcile
-  -> jobs -> steps -> loop, and the watcher none of them.
+  -> jobs -> loop -> steps, and the watcher none of them.
 - One concept per module: no module over ~500 lines, no class over ~300.
 """
 
@@ -24,7 +24,7 @@ PACKAGES = ("daemon", "handlers")
 FOLDERS = ["daemon/core", "daemon/guard", "daemon/reviewer", "daemon/infra", "handlers",
            "daemon/service", "daemon/commands"]
 SERVICE = REPO / "daemon" / "service"
-LAYERS = ["process", "lifecycle", "reconcile", "jobs", "steps", "loop"]  # top to bottom
+LAYERS = ["process", "lifecycle", "reconcile", "jobs", "loop", "steps"]  # top to bottom
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 310
 

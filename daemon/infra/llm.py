@@ -2,8 +2,8 @@
 
 PITFALLS: the OpenAI SDK under litellm retries on its own (3 attempts) and
 litellm's `num_retries` adds more on top, with no wait. Both are switched
-off (`max_retries=0`, `num_retries=0`) and tenacity owns the policy:
-exponential backoff with full jitter (tenacity's `wait_random_exponential`)
+off (`max_retries=0`, `num_retries=0`) and tenacity runs the retries with
+the project's one backoff policy (core/backoff.py: exponential, full jitter)
 on 429/5xx/timeouts/connection errors, at least as long as the server asks
 (Retry-After in seconds or as an HTTP date, or retry-after-ms, read by the
 OpenAI SDK's own parser), no retry on auth or bad-request errors.
@@ -32,7 +32,7 @@ from typing import Any
 
 import tenacity
 
-from ..core import textnorm
+from ..core import backoff, textnorm
 from ..core.config import BUILTIN_MODEL, LLMConfig
 from ..core.errors import ConfigError, LLMError
 from ..guard import leakguard
@@ -171,8 +171,7 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
     """
     slot = slot or Slot(None)
     attempts = 0
-    backoff = tenacity.wait_random_exponential(multiplier=settings.backoff_initial_s,
-                                               max=settings.backoff_max_s)
+    policy = backoff.llm_call(settings)
 
     async def attempt() -> Any:
         nonlocal attempts
@@ -199,10 +198,8 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
 
     def wait(state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
-        delay = backoff(state)  # full jitter: spreads a burst of 429s apart
-        if isinstance(exc, RetryableError) and exc.retry_after_s is not None:
-            delay = max(delay, min(exc.retry_after_s, settings.backoff_max_s))
-        return delay
+        retry_after_s = exc.retry_after_s if isinstance(exc, RetryableError) else None
+        return policy.delay_s(state.attempt_number, retry_after_s=retry_after_s)
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
         if on_retry is not None and state.outcome is not None and state.next_action:

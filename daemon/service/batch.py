@@ -40,7 +40,9 @@ from ..infra.state import SetState, StateStore
 from . import batch_store
 from .batch_results import Results
 from .batch_store import CANCELLING, OPEN, SUBMITTING, BatchItem, BatchRecord
+from .discovery import Discovery
 from .observe import Fingerprint
+from .revisit import Revisits
 
 CANCEL_FILE = "CANCEL_BATCH"  # in runs/<run>/
 CONTROL_CHECK_S = 1.0  # how soon CANCEL_BATCH is seen while a batch is open or gathering
@@ -64,9 +66,8 @@ class Batcher:
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  stopping: threading.Event, templates: PromptTemplates,
                  works: Callable[[], dict[str, dataset.Work]],
-                 expected_sets: Callable[[layout.StepKey], list[layout.SetKey]],
-                 run_result: Callable[..., Future[None]],
-                 look_again: Callable[[layout.SetKey, float | None], None],
+                 discovery: Discovery, run_result: Callable[..., Future[None]],
+                 revisits: Revisits,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
@@ -74,12 +75,12 @@ class Batcher:
         self.emit = emit
         self.log = log.get_logger("skilltrain.daemon")
         self.stopping = stopping
-        self.expected_sets = expected_sets
-        self.look_again = look_again
+        self.discovery = discovery  # which sets a step is expected to have
+        self.revisits = revisits  # a set handed back to live jobs is looked at at once
         self.clock = clock
         self.api = BatchAPI(cfg.llm)
         self.results = Results(cfg, state, emit, api=self.api, templates=templates, works=works,
-                               run_result=run_result, look_again=look_again,
+                               run_result=run_result, revisits=revisits,
                                save=self._save, closed=self._closed)
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -243,7 +244,7 @@ class Batcher:
 
     def _step_gathered(self, step: layout.StepKey, waiting: dict[str, Waiting]) -> bool:
         """Every set of the step that is not done is gathered: no reason to wait."""
-        for key in self.expected_sets(step):
+        for key in self.discovery.sets_of_step(step):
             rec = self.state.get(key.id)
             if key.id not in waiting and not (rec and rec.state == SetState.DONE):
                 return False
@@ -324,7 +325,7 @@ class Batcher:
             if live:
                 self.results.send_live(w.key.id)
             self.state.update(w.key.id, SetState.QUEUED, reason="batch cancelled")
-            self.look_again(w.key, None)
+            self.revisits.look(w.key)
         for rec in records:
             rec.state, rec.return_live = CANCELLING, live
             self._save(rec)

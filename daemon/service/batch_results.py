@@ -31,6 +31,7 @@ from ..infra.batch_api import BatchAPI, BatchAPIError, BatchStatus, ItemResult
 from ..infra.state import SetState, StateStore
 from .batch_store import OPEN, BatchItem, BatchRecord
 from .observe import Fingerprint
+from .revisit import Revisits
 
 if TYPE_CHECKING:
     from .batch import Waiting
@@ -46,7 +47,7 @@ class Results:
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *, api: BatchAPI,
                  templates: PromptTemplates, works: Callable[[], dict[str, dataset.Work]],
                  run_result: Callable[..., Future[None]],
-                 look_again: Callable[[layout.SetKey, float | None], None],
+                 revisits: Revisits,
                  save: Callable[[BatchRecord], None],
                  closed: Callable[[BatchRecord], None]) -> None:
         self.cfg = cfg
@@ -57,7 +58,7 @@ class Results:
         self.templates = templates
         self.works = works
         self.run_result = run_result
-        self.look_again = look_again
+        self.revisits = revisits
         self.save = save
         self.closed = closed
         self._lock = threading.Lock()
@@ -245,7 +246,7 @@ class Results:
         if not rec.waiting():
             self.closed(rec)
         if item.outcome != SetState.DONE.value:
-            self.look_again(key, None)
+            self.revisits.look(key)
 
     def _written_before(self, rec: BatchRecord, item: BatchItem, key: layout.SetKey) -> bool:
         sidecar = loss.read_sidecar(key.report_path(self.runs))
@@ -256,7 +257,7 @@ class Results:
         key = set_key(set_id)
         if key is not None:
             self.state.update(set_id, SetState.QUEUED, reason="back from a batch")
-            self.look_again(key, None)
+            self.revisits.look(key)
 
 
 def set_key(set_id: str) -> layout.SetKey | None:

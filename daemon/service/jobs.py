@@ -4,7 +4,8 @@
                                             │ no          (pool)     (loop)   (pool)
                                             v                          │ failed: FAILED, retried
                                     look again / held                  v         after backoff
-                                                               steps.check (the barrier)
+                                                 the job's end: its Revisit to revisit.py,
+                                                 then steps.check (the barrier)
 
 A job is a coroutine on the LLM loop (llm_loop.py). It re-checks its set
 when it gets a slot of its endpoint's limiter (changed while queued, over
@@ -42,6 +43,7 @@ from ..infra.state import BUDGET_REASON, SetState, StateStore
 from .metrics import Metrics
 from .observe import Fingerprint, observe, sigs_digest
 from .outcomes import Abandoned, Outcomes
+from .revisit import Revisit, Revisits
 from .steps import Steps
 
 Emit = Callable[..., None]
@@ -61,6 +63,14 @@ class BatchPath(Protocol):
 
 
 Finish = Callable[[], loss.LossResult]  # a batch's reply checked and written: loss.finish
+
+
+class NotWanted(Exception):
+    """A queued job that must not run now it has a slot; `revisit`: the look its set needs."""
+
+    def __init__(self, revisit: Revisit | None = None) -> None:
+        super().__init__()
+        self.revisit = revisit
 
 
 class Budget:
@@ -156,8 +166,7 @@ class Jobs:
                  clock: Callable[[], float], stopping: threading.Event,
                  templates: PromptTemplates, metrics: Metrics,
                  steps: Steps, budget: Budget, claims: Claims, heartbeat: Heartbeat,
-                 look_again: Callable[[layout.SetKey, float | None], None],
-                 settle_again: Callable[[layout.SetKey], None], llm_loop: LLMLoop) -> None:
+                 revisits: Revisits, llm_loop: LLMLoop) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -171,7 +180,7 @@ class Jobs:
         self.budget = budget
         self.claims = claims
         self.heartbeat = heartbeat
-        self.look_again = look_again  # (set, when or None for now): reconcile evaluates it
+        self.revisits = revisits  # where a job's end hands the look its set needs next
         # One per LLM endpoint: as `[loss] concurrency` says (a number, or adaptive).
         self.limiters = Limiters(fixed=cfg.loss.fixed_concurrency,
                                  floor=cfg.loss.concurrency_min_calls,
@@ -180,8 +189,7 @@ class Jobs:
         metrics.watch_limiters(self.limiters)
         self.llm = llm_loop
         self.abort = threading.Event()  # abandon jobs waiting to retry
-        self.outcomes = Outcomes(cfg, state, emit, clock=clock, steps=steps,
-                                 look_again=look_again, settle_again=settle_again)
+        self.outcomes = Outcomes(cfg, state, emit, clock=clock, steps=steps)
         self.pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="loss")
         # On the loop's thread only: every job's task, those still waiting for a
         # slot, the shutdown signal for backoff waits.
@@ -243,24 +251,29 @@ class Jobs:
         try:
             # Context for every line this job logs: on the loop and in the pool.
             with log.bound_job(job_id=job_id, **key.log_fields()):
+                revisit: Revisit | None = None
                 try:
                     if finish is not None:
-                        await self._run_paid(key, fp, attempts, finish)
+                        revisit = await self._run_paid(key, fp, attempts, finish)
                     elif not await self._in_pool(self._to_batch, key, work, fp, attempts):
-                        await self._run_loss(key, work, fp, attempts)
+                        revisit = await self._run_loss(key, work, fp, attempts)
+                except NotWanted as e:
+                    revisit = e.revisit
                 except Exception:
                     self.log.exception("loss.failed", reason="internal error")
-                    await self._in_pool(self.outcomes.fail, key, fp, attempts, "internal error")
-                await self._in_pool(self._job_ended, key)
+                    revisit = await self._in_pool(self.outcomes.fail, key, fp, attempts,
+                                                  "internal error")
+                await self._in_pool(self._job_ended, key, revisit)
                 ended = True
         finally:
             self._tasks.discard(task)
             if not ended:  # cancelled at shutdown: the claim goes, nothing else is started
                 self.claims.end_job(key.id)
 
-    def _job_ended(self, key: layout.SetKey) -> None:
-        if self.claims.end_job(key.id):
-            self.look_again(key, None)
+    def _job_ended(self, key: layout.SetKey, revisit: Revisit | None) -> None:
+        """The one place a job's next look is handed on: the one its outcome
+        needs, and one now if a look was asked for while the job ran."""
+        self.revisits.ask(revisit, Revisit(key) if self.claims.end_job(key.id) else None)
         self.steps.check(key.step_key)
         self.heartbeat.beat()
 
@@ -269,16 +282,16 @@ class Jobs:
         """A set of a run in batch mode joins its step's next batch (True: handed over)."""
         if self.batch is None or not self.batch.wants(key):
             return False
-        if self._still_wanted(key, fp):
-            self.batch.enqueue(key, work, fp, attempts)
+        self._check_wanted(key, fp)
+        self.batch.enqueue(key, work, fp, attempts)
         return True
 
     async def _run_paid(self, key: layout.SetKey, fp: Fingerprint, attempts: int,
-                        finish: Finish) -> None:
+                        finish: Finish) -> Revisit | None:
         """A batch reply, paid for: no slot, no still-wanted check (finish compares
         the input hashes); the same outcomes as a live reply."""
         if self.stopping.is_set():
-            return
+            return None
         result: loss.LossResult | None = None
         error: BaseException | None = None
         try:
@@ -286,21 +299,19 @@ class Jobs:
         except (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError,
                 OSError) as e:
             error = e
-        await self._in_pool(self.outcomes.record, key, fp, attempts, result, error)
+        return await self._in_pool(self.outcomes.record, key, fp, attempts, result, error)
 
-    def _still_wanted(self, key: layout.SetKey, fp: Fingerprint) -> bool:
-        """Is a queued job still to run, now that it has a slot?"""
+    def _check_wanted(self, key: layout.SetKey, fp: Fingerprint) -> None:
+        """Is a queued job still to run, now that it has a slot? Raises NotWanted if not."""
         if self.stopping.is_set():
-            return False
+            raise NotWanted()
         if sigs_digest(observe(key, self.runs, self.cfg.paths.data).sigs) != fp.sigs:
-            # Changed while queued: the settle wait starts again.
-            self.look_again(key, None)
-            return False
-        # Queued before the budget ran out; it must not start now.
-        return not self.hold_if_over_budget(key)
+            raise NotWanted(Revisit(key))  # changed while queued: its settle wait starts again
+        if self.hold_if_over_budget(key):
+            raise NotWanted()  # queued before the budget ran out; it must not start now
 
     async def _run_loss(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-                        attempts: int) -> None:
+                        attempts: int) -> Revisit | None:
         settings = self.cfg.llm
         # Held from before the inputs are read until the outcome is recorded
         # (spend included), given back during backoffs.
@@ -319,8 +330,6 @@ class Jobs:
             error: BaseException | None = None
             try:
                 prepared = await self._in_pool(self._prepare, key, work, fp, attempts)
-                if prepared is None:
-                    return
 
                 def retry(attempt: int, wait_s: float, error: BaseException) -> None:
                     self.emit("loss.retry", level="warning", attempt=attempt,
@@ -333,15 +342,14 @@ class Jobs:
             except (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError,
                     OSError, Abandoned) as e:
                 error = e
-            await self._in_pool(self.outcomes.record, key, fp, attempts, result, error)
+            return await self._in_pool(self.outcomes.record, key, fp, attempts, result, error)
         finally:
             slot.give_back()
             self.in_call -= 1
 
     def _prepare(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-                 attempts: int) -> loss.Prepared | None:
-        if not self._still_wanted(key, fp):
-            return None
+                 attempts: int) -> loss.Prepared:
+        self._check_wanted(key, fp)
         self.state.update(key.id, SetState.RUNNING)
         job = loss.LossJob(work=work, scripts_dir=key.scripts_dir(self.runs),
                            report_path=key.report_path(self.runs), first=key.first,

@@ -8,16 +8,21 @@
                                       v
                                   steps (barrier, markers, optimizer) ──> loop (next writer)
 
-Data flows one way, down this picture; a lower part that must make an upper
-one look again gets a callback, never an import. The callbacks that remain,
-all wired in `Daemon.__init__` below:
-- jobs -> reconcile: `look_again(key, when)` (a job ended, a retry falls due:
-  outcomes.py decides when) and `settle_again(key)` (inputs changed mid-call);
-- loop -> reconcile: `request_scan()` (a writer finished its step);
-- loop -> steps: `optimizer_exhausted(step)`, `retry_optimizer(step)` (the
-  steps own the optimizer's attempts);
-- steps -> discovery: `expected_sets(step)`;
-- watcher -> reconcile: `hint(path)`, `rescan()`; reconcile -> here: `scanned`.
+Data flows one way, down this picture. A part that needs a set looked at
+again says so with a value, never a call back up: evaluation and a job's
+outcome return a `Revisit` (key, when, why: revisit.py), and `Revisits`,
+built before them, is the one place a look or a rescan is scheduled; the
+reconciler, built last, serves it. When a retry falls due is one policy
+(core/backoff.py) with each stage's numbers from config. The reconciler asks
+the loop directly whether its writer is writing a step.
+
+The wiring that remains, all in `Daemon.__init__` below:
+- the loop asks the steps (below it) whether a step's optimizer attempts are
+  used up and hands them the user's RETRY; the steps set `marker_changed`,
+  the event the loop waits on, so it looks at once instead of at its tick;
+- loop -> jobs' budget: `over_budget(run)` (a stop rule);
+- batch mode -> jobs: `run_result` (a batch's reply runs through a job);
+- watcher -> reconcile: `hint(path)`; reconcile -> here: `scanned(dirs)`.
 
 This module builds the parts, starts them in order, runs the main thread's
 loop (health, state flush, systemd status) and shuts them down within
@@ -52,7 +57,8 @@ from .jobs import Budget, Claims, Jobs
 from .loop import Loop
 from .metrics import Metrics
 from .reconcile import Reconciler
-from .settle import CLOCK_SKEW_TOLERANCE_S
+from .revisit import Revisits
+from .settle import CLOCK_SKEW_TOLERANCE_S, SettleClock
 from .steps import Steps
 from .watcher import Watcher
 
@@ -91,30 +97,30 @@ class Daemon:
             executors={"default": {"type": "threadpool", "max_workers": 2}},
             job_defaults={"misfire_grace_time": None, "coalesce": True, "max_instances": 4},
             timezone=UTC)
-        # Built bottom-up; the upward callbacks are late-bound lambdas.
+        # Built bottom-up; the reconciler, built last, serves the revisits.
         self.discovery = Discovery(cfg, self.state, self.emit)
+        settle = SettleClock(cfg.loss.settle_s, self.runs, self.discovery.ignore)
+        self.revisits = Revisits(self.scheduler, settle, stopping=self.stop_event, once=once)
         self.budget = Budget(cfg.llm.budget_usd, self.state, self.emit)
+        marker_changed = threading.Event()
+        self.steps = Steps(cfg, self.state, self.emit, clock=self.clock,
+                           discovery=self.discovery, marker_changed=marker_changed)
         self.loop = Loop(cfg, self.emit, stopping=self.stop_event, over_budget=self.budget.reached,
-                         request_scan=lambda: self.reconcile.schedule_scan(),
-                         optimizer_exhausted=lambda step: self.steps.optimizer_exhausted(step),
-                         retry_optimizer=lambda step: self.steps.retry_optimizer(step),
+                         revisits=self.revisits, steps=self.steps, wake=marker_changed,
                          once=once, clock=self.clock)
-        self.steps = Steps(cfg, self.state, self.emit, clock=self.clock, loop=self.loop,
-                           expected_sets=lambda step: list(self.discovery.sets_of_step(step)))
         self.jobs = Jobs(cfg, self.state, self.emit, clock=self.clock, stopping=self.stop_event,
                          templates=self.templates, metrics=self.metrics,
                          steps=self.steps, budget=self.budget, claims=Claims(),
                          heartbeat=self.heartbeat, llm_loop=llm_loop.shared(),
-                         look_again=lambda key, when: self.reconcile.look_again(key, when),
-                         settle_again=lambda key: self.reconcile.settle_again(key))
+                         revisits=self.revisits)
         self.reconcile = Reconciler(cfg, self.state, self.emit, clock=self.clock,
-                                    stopping=self.stop_event, scheduler=self.scheduler,
-                                    discovery=self.discovery, jobs=self.jobs, steps=self.steps,
-                                    templates=self.templates, heartbeat=self.heartbeat,
-                                    scanned=self._scanned, once=once)
+                                    stopping=self.stop_event, revisits=self.revisits,
+                                    settle=settle, discovery=self.discovery, jobs=self.jobs,
+                                    steps=self.steps, loop=self.loop, templates=self.templates,
+                                    heartbeat=self.heartbeat, scanned=self._scanned)
         self.jobs.batch = self.batcher = _batcher(self)  # jobs hands it batch-mode sets
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
-                               rescan=self.reconcile.schedule_scan)
+                               rescan=self.revisits.scan_soon)
         metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
 
     @property
@@ -186,7 +192,7 @@ class Daemon:
                          name="litellm-import", daemon=True).start()
         # What changed in a part of the tree the first scan had passed before
         # its step was watched: one more scan finds it.
-        self.reconcile.schedule_scan()
+        self.revisits.scan_soon()
         interval = self.cfg.watch.resync_s
         self.scheduler.add_job(self.reconcile.scan, "interval", seconds=interval,
                                id="resync", jitter=max(1, int(interval * RESYNC_JITTER)),
@@ -292,7 +298,7 @@ class Daemon:
             finally:
                 self._waiting_for_root = False
             self.emit("watch.restarted", runs_dir=str(self.runs), observer=self.watcher.kind)
-            self.reconcile.schedule_scan()
+            self.revisits.scan_soon()
             return
         self.emit("watch.died", level="error", thread="observer")
         self.exit_code = ExitCode.WATCHER_DIED
@@ -309,10 +315,10 @@ class Daemon:
         for rounds in range(ONCE_SETTLE_ROUNDS + 1):
             self.batcher.wait_idle(self.jobs.wait_all, self.stop_event)  # and its batches
             self.steps.wait_optimizers()
-            rescan_at = self.reconcile.once_rescan_at
+            rescan_at = self.revisits.once_rescan_at
             if rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
                 break
-            self.reconcile.once_rescan_at = 0.0
+            self.revisits.once_rescan_at = 0.0
             # A settle window is never longer than settle_s from now.
             wait_s = min(rescan_at - time.time(),
                          self.cfg.loss.settle_s + CLOCK_SKEW_TOLERANCE_S)
@@ -378,9 +384,8 @@ def _batcher(daemon: Daemon) -> Batcher:
     """Batch mode's part, wired to the daemon's (jobs hands it sets, it hands back results)."""
     batcher = Batcher(daemon.cfg, daemon.state, daemon.emit, stopping=daemon.stop_event,
                       templates=daemon.templates, works=lambda: daemon.discovery.works,
-                      expected_sets=lambda step: list(daemon.discovery.sets_of_step(step)),
-                      run_result=daemon.jobs.run_result,
-                      look_again=lambda key, when: daemon.reconcile.look_again(key, when))
+                      discovery=daemon.discovery, run_result=daemon.jobs.run_result,
+                      revisits=daemon.revisits)
     daemon.metrics.register(metrics_runs.BatchGauges(batcher.snapshot))
     return batcher
 

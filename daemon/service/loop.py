@@ -18,7 +18,10 @@ the machine is level-triggered: at start and every TICK_S it reads each
 run's record and marker and does what they say is next. A stage recorded as
 started but not finished is run again (the writer; the daemon re-runs an
 optimizer whose marker does not say done); a finished one is never repeated.
-The daemon's hooks (`notice`, the rescan callback) only make it look sooner.
+The steps own the optimizer's attempts (daemon/service/steps.py): the loop
+asks them whether a step's are used up (its run stalls) and hands them the
+user's RETRY. A changed marker sets `wake` (the steps hold the same event)
+and a finished writer asks for a rescan: both only make things happen sooner.
 
 Next step: step + 1, or epoch + 1 and step 0 after `steps_per_epoch`. Stop
 rules, checked when the optimizer of a step has finished: `stop_below` (the
@@ -44,12 +47,14 @@ from typing import Any
 
 from ...handlers import writer
 from ...handlers.optimizer import OptimizerResult
-from ..core import config, layout
+from ..core import backoff, config, layout
 from ..infra import log
 from . import curve, discovery
+from .revisit import Revisits
 from .run_record import PAUSE, RETRY, START, Phase, RunRecord
 from .run_record import read as read_record
 from .run_record import write as write_record
+from .steps import Steps
 
 TICK_S = 0.5  # how soon a control file (START, PAUSE, RETRY) or a new run folder is seen
 WRITERS = 4  # runs writing at once
@@ -78,26 +83,23 @@ class Loop:
     """Owns the looped runs' phase machine and their writers. Cheap to build; start() runs it."""
 
     def __init__(self, cfg: config.Config, emit: Emit, *, stopping: threading.Event,
-                 over_budget: Callable[[str], bool], request_scan: Callable[[], None],
-                 optimizer_exhausted: Callable[[layout.StepKey], int | None],
-                 retry_optimizer: Callable[[layout.StepKey], None],
-                 once: bool = False, clock: Callable[[], float] = time.time) -> None:
+                 over_budget: Callable[[str], bool], revisits: Revisits, steps: Steps,
+                 wake: threading.Event, once: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
         self.enabled = cfg.loop is not None and not once
         self.loop_cfg = cfg.loop or config.LoopConfig()
         self.writer_cfg = cfg.writer
+        self.writer_backoff = backoff.writer(cfg)
         self.runs = cfg.paths.runs
         self.emit = emit
         self.stopping = stopping  # the daemon's intake flag: once set, no writer starts
         self.over_budget = over_budget
-        self.request_scan = request_scan
-        # The step stage (daemon/service/steps.py) owns the optimizer's attempts: did
-        # they all fail (none running), and the user's RETRY of them.
-        self.optimizer_exhausted = optimizer_exhausted
-        self.retry_optimizer = retry_optimizer
+        self.revisits = revisits  # a finished writer's episodes are looked at at once
+        self.steps = steps  # the optimizer's attempts: all failed? the user's RETRY
         self.clock = clock
         self.log = log.get_logger("skilltrain.loop")
         self._lock = threading.Lock()  # record transitions, one at a time
-        self._wake = threading.Event()
+        self._wake = wake  # set by the steps when a marker changes: look now, not at the tick
         self._cancel = threading.Event()  # the shutdown bound passed: kill the writers
         self._writing: dict[str, Future[None]] = {}  # run -> its writer in flight
         self._held: set[str] = set()  # runs whose PAUSE hold was logged
@@ -129,11 +131,6 @@ class Loop:
                 self._resume(run, rec, "restart")
         self._thread = threading.Thread(target=self._tick, name="loop", daemon=True)
         self._thread.start()
-
-    def notice(self, step: layout.StepKey) -> None:
-        """A step's marker changed (reported, optimizer finished): look now, not at the tick."""
-        if self.enabled:
-            self._wake.set()
 
     def stop(self, wait_s: float) -> None:
         """After the daemon stopped intake: let writers finish up to wait_s, then kill them.
@@ -210,7 +207,7 @@ class Loop:
             self._resume(run, rec, "RETRY")
             if rec.phase == Phase.OPTIMIZING:
                 # Its attempts are used up: the step gets fresh ones, or it stalls again.
-                self.retry_optimizer(layout.StepKey(run, rec.epoch, rec.step))
+                self.steps.retry_optimizer(layout.StepKey(run, rec.epoch, rec.step))
             return True
         if rec.phase == Phase.WRITING:
             self._maybe_write(run, rec)
@@ -227,7 +224,7 @@ class Loop:
             return False
         if marker.get("optimizer_done"):
             return self._after_step(run, rec)
-        attempts = self.optimizer_exhausted(step)  # not while its last attempt runs
+        attempts = self.steps.optimizer_exhausted(step)  # not while its last attempt runs
         if attempts is not None:
             rec.stalled = f"the optimizer failed {attempts} times"
             self._save(run, rec)
@@ -346,14 +343,14 @@ class Loop:
                 self._save(run, rec)
                 emit("writer.finished", exit_code=0, duration_ms=result.duration_ms,
                      attempt=attempt)
-                self.request_scan()  # the episodes are there: no need to wait for a hint
+                self.revisits.scan_soon()  # the episodes are there: no need to wait for a hint
                 return
             if self._cancel.is_set():
                 emit("writer.stopped", reason=result.reason, attempt=attempt)  # runs at next start
                 return
             rec.writer_failures += 1
             will_retry = rec.writer_failures < self.writer_cfg.max_attempts
-            wait_s = self.writer_cfg.retry_backoff_s * 2 ** (rec.writer_failures - 1)
+            wait_s = self.writer_backoff.delay_s(rec.writer_failures)
             if will_retry:
                 rec.next_writer_at = self.clock() + wait_s
             else:

@@ -8,16 +8,16 @@
                       the provider's rate limit alone: loss.rate_limited, not counted
     shutdown       -> QUEUED (found again at the next start)
 
-Where a set is retried: here (when), and reconcile's look at the time it says.
+Where a set is retried: here (when: core/backoff.py's policy), returned as a
+Revisit; revisit.py schedules the look, reconcile's evaluation runs it.
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
 from ...handlers import loss
-from ..core import config, layout
+from ..core import backoff, config, layout
 from ..core.errors import (
     BadOutputError,
     ConfigError,
@@ -28,6 +28,7 @@ from ..core.errors import (
 )
 from ..infra.state import SetState, StateStore
 from .observe import Fingerprint
+from .revisit import Revisit, Why
 from .steps import Steps
 
 Emit = Callable[..., None]
@@ -41,25 +42,21 @@ class Outcomes:
     """Records each job's outcome; counts the sets that will not complete by themselves."""
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
-                 clock: Callable[[], float], steps: Steps,
-                 look_again: Callable[[layout.SetKey, float | None], None],
-                 settle_again: Callable[[layout.SetKey], None]) -> None:
+                 clock: Callable[[], float], steps: Steps) -> None:
         self.cfg = cfg
         self.state = state
         self.emit = emit
         self.clock = clock
         self.steps = steps
-        self.look_again = look_again  # (set, when or None for now): reconcile evaluates it
-        self.settle_again = settle_again  # inputs changed under a job: settle from now
         self.failures = 0  # sets failed or refused (--once exit code)
 
     def record(self, key: layout.SetKey, fp: Fingerprint, attempts: int,
-                result: loss.LossResult | None, error: BaseException | None) -> None:
-        """What the job came to: the state, one event, and when to look again."""
+                result: loss.LossResult | None, error: BaseException | None) -> Revisit | None:
+        """What the job came to: the state, one event; returns when to look again."""
         if error is None:
             if result is not None:
                 self._completed(key, fp, result)
-            return
+            return None
         try:
             raise error
         except InputsChangedError as e:
@@ -67,13 +64,13 @@ class Outcomes:
             # not counted; the set settles again and is made anew.
             self.emit("loss.discarded", level="warning", reason=str(e))
             self.state.update(key.id, SetState.SETTLING, reason=str(e))
-            self.settle_again(key)
+            return Revisit(key, self.clock() + self.cfg.loss.settle_s, Why.RESETTLE)
         except ContradictedReportError as e:  # a BadOutputError: caught first
             # Whole but confidently wrong: bogus signal, retried like a failed call.
-            self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
+            return self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
-            self.fail(key, fp, attempts, str(e), event="loss.refused")
+            return self.fail(key, fp, attempts, str(e), event="loss.refused")
         except RefusedError as e:
             self.failures += 1
             self.emit("loss.refused", level="warning", reason=str(e))
@@ -81,18 +78,18 @@ class Outcomes:
                               refused_fingerprint=fp.as_json())
         except LLMError as e:
             if e.rate_limited:
-                self._rate_limited(key, fp, attempts, str(e), e.retry_after_s)
-            else:
-                self.fail(key, fp, attempts, str(e), retry_after_s=e.retry_after_s)
+                return self._rate_limited(key, fp, attempts, str(e), e.retry_after_s)
+            return self.fail(key, fp, attempts, str(e), retry_after_s=e.retry_after_s)
         except ConfigError as e:
-            self.fail(key, fp, attempts, str(e))
+            return self.fail(key, fp, attempts, str(e))
         except OSError as e:
             # A full disk, a permission: the job wrote nothing (all or none).
             where = f" {e.filename}" if e.filename else ""
-            self.fail(key, fp, attempts,
-                       f"cannot write the report{where}: {e.strerror or type(e).__name__}")
+            return self.fail(key, fp, attempts,
+                             f"cannot write the report{where}: {e.strerror or type(e).__name__}")
         except Abandoned:
             self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
+        return None
 
     def _completed(self, key: layout.SetKey, fp: Fingerprint, result: loss.LossResult) -> None:
         c = result.completion
@@ -115,37 +112,28 @@ class Outcomes:
 
     def fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
               retry_after_s: float | None = None, event: str = "loss.failed",
-              **details: Any) -> None:
+              **details: Any) -> Revisit | None:
         attempts += 1
         self.failures += 1
         gave_up = attempts >= self.cfg.loss.max_attempts
-        next_at = None if gave_up else self._next_retry(attempts - 1)
-        if next_at is not None and retry_after_s is not None:
-            # The server's last word on when to come back, capped like in llm.complete.
-            next_at = max(next_at, self.clock() + min(retry_after_s, self.cfg.llm.backoff_max_s))
+        next_at = None if gave_up else self.clock() + backoff.loss_job(self.cfg).delay_s(
+            attempts, retry_after_s=retry_after_s)
         self.emit(event, level="error" if event == "loss.failed" else "warning", reason=reason,
                   attempts=attempts,
                   next_retry_s=None if next_at is None else round(next_at - self.clock(), 1),
                   **details)
         self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
                           next_retry_at=next_at, fingerprint=fp.as_json())
-        if next_at is not None:
-            self.look_again(key, next_at)
+        return None if next_at is None else Revisit(key, next_at, Why.RETRY)
 
     def _rate_limited(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
-                      retry_after_s: float | None) -> None:
+                      retry_after_s: float | None) -> Revisit:
         """The provider's rate limit, not the set, ended the call: tried again later,
         and not counted against [loss] max_attempts (nor the exit code)."""
-        wait_s = self.cfg.loss.retry_backoff_s * random.uniform(0.8, 1.2)
-        if retry_after_s is not None:
-            wait_s = max(wait_s, min(retry_after_s, self.cfg.llm.backoff_max_s))
+        wait_s = backoff.rate_limited(self.cfg).delay_s(1, retry_after_s=retry_after_s)
         next_at = self.clock() + wait_s
         self.emit("loss.rate_limited", level="warning", reason=reason, attempts=attempts,
                   next_retry_s=round(wait_s, 1))
         self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
                           next_retry_at=next_at, fingerprint=fp.as_json())
-        self.look_again(key, next_at)
-
-    def _next_retry(self, failures_before: int) -> float:
-        base = self.cfg.loss.retry_backoff_s * 2 ** failures_before
-        return self.clock() + base * random.uniform(0.8, 1.2)
+        return Revisit(key, next_at, Why.RETRY)

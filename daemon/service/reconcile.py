@@ -1,15 +1,28 @@
 """Reconciliation: look at a set on disk and do the one right thing for it now.
 
     watchdog event (hint) ─┐
-    periodic resync scan ──┼─> evaluate(set)  (APScheduler date job, id = set id,
-    startup scan ──────────┘                   replace_existing: the debounce)
-                                   │ complete? settled? up to date? failed/backoff? budget?
+    periodic resync scan ──┤
+    startup scan ──────────┼─> evaluate(set) ──> its next look, if any (revisit.py)
+    a look that falls due ─┘       │ complete? settled? up to date? failed/backoff? budget?
                                    v
                          jobs.submit (jobs.py) ──> steps.check (steps.py)
 
 Events are hints; the filesystem is the truth. `evaluate` is level-triggered:
 it looks at the set on disk and decides from what it sees, so a lost event,
-a restart or a second event for the same file changes nothing.
+a restart or a second event for the same file changes nothing. It returns
+when to look again (a settle wait, a retry's backoff, a look asked for while
+it ran); the caller hands that to `Revisits`, the one place looks are scheduled.
+
+The ways out of an evaluation, in order:
+    the loop's writer is writing the step      WAITING, looked at once it is written
+    the set is being looked at or worked on    nothing (looked at again when that ends)
+    the range is incomplete or unusable        WAITING (set.unusable once, if stuck)
+    the report is up to date                   DONE
+    its files are still settling               SETTLING / STALE, looked at when settled
+    the same input was refused                 nothing, until the input changes
+    failed: gave up, or its backoff runs       nothing / looked at when the backoff ends
+    over budget                                HELD / STALE
+    otherwise                                  a loss job (jobs.submit)
 """
 from __future__ import annotations
 
@@ -19,9 +32,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from apscheduler.schedulers.background import BackgroundScheduler
-from apscheduler.schedulers.base import SchedulerNotRunningError
-
 from ...handlers import loss
 from ..core import config, layout
 from ..core.notify import Heartbeat
@@ -30,12 +40,13 @@ from ..infra import log
 from ..infra.state import SetState, StateStore
 from .discovery import Discovery
 from .jobs import Jobs
+from .loop import Loop
 from .observe import Fingerprint, HumanDigests, Observation, observe, report_is_current
-from .settle import SettleClock, at, iso
+from .revisit import Revisit, Revisits, Why
+from .settle import SettleClock, iso
 from .steps import Steps
 
 HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
-RESCAN_DEBOUNCE_S = 0.5
 PROGRESS_EVERY_S = 1.0  # a long scan says how far it is this often
 
 Emit = Callable[..., None]
@@ -47,9 +58,9 @@ class Reconciler:
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  clock: Callable[[], float], stopping: threading.Event,
-                 scheduler: BackgroundScheduler, discovery: Discovery, jobs: Jobs,
-                 steps: Steps, templates: PromptTemplates, heartbeat: Heartbeat,
-                 scanned: Callable[[set[Path]], None], once: bool) -> None:
+                 revisits: Revisits, settle: SettleClock, discovery: Discovery, jobs: Jobs,
+                 steps: Steps, loop: Loop, templates: PromptTemplates, heartbeat: Heartbeat,
+                 scanned: Callable[[set[Path]], None]) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -57,24 +68,23 @@ class Reconciler:
         self.log = log.get_logger("skilltrain.daemon")
         self.clock = clock
         self.stopping = stopping
-        self.scheduler = scheduler
+        self.revisits = revisits
         self.discovery = discovery
         self.jobs = jobs
         self.claims = jobs.claims
         self.steps = steps
+        self.loop = loop
         self.templates = templates
         self.heartbeat = heartbeat
         self.scanned = scanned  # after each scan: the step folders still open (to watch)
-        self.once = once
-        self.settle = SettleClock(cfg.loss.settle_s, self.runs, discovery.ignore)
+        self.settle = settle
         self.human_digests = HumanDigests()
         self.failures = 0  # sets that will not complete by themselves (--once exit code)
-        self.once_rescan_at = 0.0  # --once: when sets waiting to settle are ready
         self._template_hash: tuple[float, str] | None = None
-        self._schedule_guard = threading.Lock()  # a look's time: read and set at once
         self._scan_guard = threading.Lock()
         self._scanning = False  # one full scan at a time; under _scan_guard
         self._scan_wanted = False  # asked for while one ran: it goes round once more
+        revisits.serve(self._evaluate_job, self.scan)
 
     # ------------------------------------------------------------------- scan
     def scan(self, progress: ScanProgress | None = None) -> None:
@@ -112,10 +122,7 @@ class Reconciler:
         said_at = time.monotonic()
         for keys in steps.values():
             for key in keys:
-                try:
-                    self.evaluate(key)
-                except Exception:
-                    self.log.exception("set.error", **key.log_fields())
+                self.look(key)
                 looked += 1
                 if self.stopping.is_set():
                     # Cut short: what was not looked at is not gone, so
@@ -167,7 +174,7 @@ class Reconciler:
                 return
             if (0 < len(parts) <= 2 and not parts[0].startswith(".")
                     and parts[-1] != layout.LOSS_DIR and path.is_dir()):
-                self.schedule_scan()  # a run or epoch folder appeared or moved in
+                self.revisits.scan_soon()  # a run or epoch folder appeared or moved in
             return
         step = layout.StepKey(parsed.run, parsed.epoch, parsed.step)
         for key in self.discovery.sets_of_step(step):
@@ -175,84 +182,43 @@ class Reconciler:
                 continue
             if parsed.episode is not None and not key.first <= parsed.episode <= key.last:
                 continue
-            self.schedule_evaluate(key, delay_s=HINT_DEBOUNCE_S)
-
-    def schedule_scan(self) -> None:
-        self.scheduler.add_job(self.scan, "date", id="rescan", replace_existing=True,
-                               run_date=at(time.time() + RESCAN_DEBOUNCE_S))
-
-    def schedule_evaluate(self, key: layout.SetKey, *, delay_s: float = 0.0,
-                          at_s: float | None = None) -> None:
-        """Debounce: one pending evaluation per set, at the earliest time asked for.
-
-        A later time never replaces an earlier pending look (a settle wait
-        of 30 s must not swallow the look a `_SUCCESS` event asked for in
-        20 ms): the look runs after every request made before it, sees what
-        they saw, and schedules its own next look if it needs one.
-        """
-        if self.once or self.stopping.is_set():
-            return
-        when = at(at_s if at_s is not None else time.time() + delay_s)
-        try:
-            with self._schedule_guard:
-                pending = self.scheduler.get_job(key.id)
-                if pending is not None and pending.next_run_time is not None \
-                        and pending.next_run_time <= when:
-                    return
-                self.scheduler.add_job(self._evaluate_job, "date", args=[key], id=key.id,
-                                       replace_existing=True, run_date=when)
-        except SchedulerNotRunningError:
-            pass  # shutting down: the next start finds the set again
-        except Exception:
-            # The set now waits for its next event or the resync: say so.
-            self.log.exception("set.error", **key.log_fields())
-
-    def look_again(self, key: layout.SetKey, when: float | None) -> None:
-        """For jobs: evaluate a set again, now or at a (wall-clock) time."""
-        self.schedule_evaluate(key, at_s=when)
-
-    def settle_again(self, key: layout.SetKey) -> None:
-        """For jobs: the set's inputs changed under a job; it settles from now."""
-        self.settle.forget(key)
-        self._settle_later(key, self.clock() + self.cfg.loss.settle_s)
-
-    def _settle_later(self, key: layout.SetKey, when: float) -> None:
-        """Look at a set again when its settle window ends. --once has no
-        scheduler: its rescan after the wait looks at every such set."""
-        if self.once:
-            self.once_rescan_at = max(self.once_rescan_at, when)
-        self.schedule_evaluate(key, at_s=when)
+            self.revisits.look(key, delay_s=HINT_DEBOUNCE_S)
 
     def _evaluate_job(self, key: layout.SetKey) -> None:
-        try:
-            self.evaluate(key)
-        except Exception:
-            self.log.exception("set.error", **key.log_fields())
+        """A look that fell due (a Revisit or a hint); then the set's step barrier."""
+        self.look(key)
         self.steps.check(key.step_key)
 
-    # --------------------------------------------------------------- evaluate
-    def evaluate(self, key: layout.SetKey) -> None:
-        """Look at one set and do the one right thing for it now."""
-        if self.steps.writer_running(key.step_key):
-            # Scored once the loop recorded its writer's end: a writer re-run
-            # after a crash must not leave a report of the first run's episodes.
-            self.state.update(key.id, SetState.WAITING, reason="the loop's writer is running")
-            return
-        if not self.claims.claim_look(key.id):
-            return  # coalesced: looked at again when the job or look ends
+    def look(self, key: layout.SetKey) -> None:
+        """Evaluate a set and hand its next look, if any, to the revisits."""
         try:
-            self._evaluate_claimed(key)
+            self.revisits.ask(self.evaluate(key))
+        except Exception:
+            self.log.exception("set.error", **key.log_fields())
+
+    # --------------------------------------------------------------- evaluate
+    def evaluate(self, key: layout.SetKey) -> Revisit | None:
+        """Look at one set and do the one right thing for it now; when to look again."""
+        if self.loop.writing(key.step_key):
+            # Scored once the loop recorded its writer's end (it asks for a
+            # scan then): a writer re-run after a crash must not leave a
+            # report of the first run's episodes.
+            self.state.update(key.id, SetState.WAITING, reason="the loop's writer is running")
+            return None
+        if not self.claims.claim_look(key.id):
+            return None  # coalesced: looked at again when the job or look ends
+        try:
+            revisit = self._evaluate_claimed(key)
         finally:
             again = self.claims.end_look(key.id)
-        if again:
-            self.schedule_evaluate(key)
+        # Asked for while this look ran: once more now, which decides afresh.
+        return Revisit(key) if again else revisit
 
-    def _evaluate_claimed(self, key: layout.SetKey) -> None:
+    def _evaluate_claimed(self, key: layout.SetKey) -> Revisit | None:
         obs = observe(key, self.runs, self.cfg.paths.data)
         rec = self.state.get(key.id)
         if not obs.complete:
-            self._waiting(key, obs)
-            return
+            return self._waiting(key, obs)
         work = self.discovery.works[key.work]
         human = self.human_digests.digest(work, key.first, key.last) or ""
         fp = Fingerprint.of(obs.sigs, human, self.template_hash(), self.cfg.llm.model)
@@ -261,7 +227,7 @@ class Reconciler:
             if rec is None or rec.state != SetState.DONE or recorded != fp:
                 self.state.update(key.id, SetState.DONE, reason=None, attempts=0,
                                   fingerprint=fp.as_json(), next_retry_at=None)
-            return
+            return None
 
         now = self.clock()
         ready_at = self.settle.ready_at(key, obs, now)
@@ -269,41 +235,42 @@ class Reconciler:
         if ready_at > now:
             self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
                               reason=f"settling until {iso(ready_at)}")
-            self._settle_later(key, ready_at)
-            return
+            return Revisit(key, ready_at, Why.SETTLE)
         if rec and rec.state == SetState.REFUSED and rec.refused_fingerprint == fp.as_json():
-            return  # the same input was refused already; wait for it to change
+            return None  # the same input was refused already; wait for it to change
         if rec and rec.state == SetState.FAILED and rec.fingerprint == fp.as_json():
             if rec.attempts >= self.cfg.loss.max_attempts:
-                return  # gave up; stays visible as failed until its input changes
+                return None  # gave up; stays visible as failed until its input changes
             if rec.next_retry_at and rec.next_retry_at > now:
-                self.schedule_evaluate(key, at_s=rec.next_retry_at)
-                return
+                return Revisit(key, rec.next_retry_at, Why.RETRY)
         if self.jobs.hold_if_over_budget(key):
-            return
+            return None
         if report_exists:
             self._report_stale(key)
         attempts = rec.attempts if rec and rec.state == SetState.FAILED \
             and rec.fingerprint == fp.as_json() else 0
         self.jobs.submit(key, work, fp, attempts)
+        return None
 
-    def _waiting(self, key: layout.SetKey, obs: Observation) -> None:
+    def _waiting(self, key: layout.SetKey, obs: Observation) -> Revisit | None:
         """An incomplete range: one event when it will not complete by itself."""
         problem = obs.problem or "incomplete"
         stuck = obs.unusable
+        revisit = None
         if obs.zero_byte and not obs.unusable:
             # A file is created empty an instant before it is written: only
             # one still empty after the settle window is worth a line.
             quiet_until = obs.newest_mtime_ns / 1e9 + self.cfg.loss.settle_s
             stuck = quiet_until <= self.clock()
             if not stuck:
-                self._settle_later(key, quiet_until + 0.05)
+                revisit = Revisit(key, quiet_until + 0.05, Why.SETTLE)
         # Not a range still being written but something that will not do by
         # itself (a symlink out of runs/, a misspelt name): say so once.
         if stuck and self.discovery.ignore(key.scripts_dir(self.runs), problem,
                                            event="set.unusable"):
             self.failures += 1
         self.state.update(key.id, SetState.WAITING, reason=problem)
+        return revisit
 
     def _report_stale(self, key: layout.SetKey) -> None:
         after_optimizer = self.steps.optimized(key.step_key)

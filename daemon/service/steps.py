@@ -2,7 +2,7 @@
 expected set of it is done, then its optimizer runs, then (a looped run) the
 writer of the next step (daemon/service/loop.py).
 
-    every set DONE ──> step.reported (once; marker written) ──> optimizer ──> loop.notice
+    every set DONE ──> step.reported (once; marker written) ──> optimizer ──> marker_changed
                               ^                                    │ failed: retried
     a report replaced ────────┘ (reported again, re-optimized)     v         after backoff
 
@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ...handlers import optimizer
-from ..core import atomic, config, layout
+from ..core import atomic, backoff, config, layout
 from ..core.errors import ConfigError
 from ..infra import log
 from ..infra.state import SetState, StateStore, StepRecord
 from . import curve
-from .loop import Loop
+from .discovery import Discovery
 
 Emit = Callable[..., None]
 
@@ -36,15 +36,16 @@ class Steps:
     """Barrier, markers and the optimizer stage; hands finished steps to the loop."""
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
-                 clock: Callable[[], float], loop: Loop,
-                 expected_sets: Callable[[layout.StepKey], list[layout.SetKey]]) -> None:
+                 clock: Callable[[], float], discovery: Discovery,
+                 marker_changed: threading.Event) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
         self.emit = emit
         self.clock = clock
-        self.loop = loop
-        self.expected_sets = expected_sets
+        self.marker_changed = marker_changed  # the loop waits on it: looks at once
+        self.discovery = discovery  # which sets a step is expected to have
+        self.backoff = backoff.optimizer(cfg)
         self.failures = 0  # optimizer runs that failed (--once exit code)
         self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
@@ -53,16 +54,6 @@ class Steps:
         self._pending: set[str] = set()  # step ids with an optimizer run claimed; state.lock
         self._compared: set[str] = set()  # step ids whose record met its marker; state.lock
 
-    def writer_running(self, step: layout.StepKey) -> bool:
-        """The loop's writer is still writing this step: its sets are not scored yet."""
-        return self.loop.writing(step)
-
-    @property
-    def _backoff_s(self) -> float:
-        """Before the next attempt of a failed optimizer run."""
-        own = self.cfg.optimizer.retry_backoff_s
-        return self.cfg.loss.retry_backoff_s if own is None else own
-
     def optimized(self, step: layout.StepKey) -> bool:
         rec = self.state.steps.get(step.id)
         return bool(rec and rec.optimizer_done)
@@ -70,7 +61,7 @@ class Steps:
     # ---------------------------------------------------------------- barrier
     def check(self, step: layout.StepKey, keys: list[layout.SetKey] | None = None) -> None:
         """When every expected set of a step is done: step.reported once, then the optimizer."""
-        keys = self.expected_sets(step) if keys is None else keys
+        keys = list(self.discovery.sets_of_step(step)) if keys is None else keys
         if not keys:
             return
         with self.state.lock:
@@ -103,7 +94,7 @@ class Steps:
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
                       **again, **curve.step_fields(self.runs, step))
         if first_time or no_command:
-            self.loop.notice(step)
+            self.marker_changed.set()
         if due:
             self._trigger_optimizer(step)
 
@@ -250,7 +241,8 @@ class Steps:
                     rec.optimizer_exit_code = result.exit_code
                     rec.optimizer_done = result.exit_code == 0
                     if not rec.optimizer_done:
-                        rec.optimizer_next_at = self.clock() + self._backoff_s
+                        wait_s = self.backoff.delay_s(rec.optimizer_attempts)
+                        rec.optimizer_next_at = self.clock() + wait_s
             self._write_marker(step)
             if result.exit_code != 0:
                 self.failures += 1
@@ -262,7 +254,7 @@ class Steps:
                 emit("optimizer.failed", level="error", reason=result.reason,
                      attempt=rec.optimizer_attempts,
                      will_retry=rec.optimizer_attempts < self.cfg.optimizer.max_attempts)
-            self.loop.notice(step)  # after the events: the next writer's come later
+            self.marker_changed.set()  # after the events: the next writer's come later
         if reopened:
             self.check(step)
 
