@@ -65,7 +65,6 @@ class Batcher:
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  stopping: threading.Event, templates: PromptTemplates,
-                 works: Callable[[], dict[str, dataset.Work]],
                  discovery: Discovery, run_result: Callable[..., Future[None]],
                  revisits: Revisits,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -79,7 +78,8 @@ class Batcher:
         self.revisits = revisits  # a set handed back to live jobs is looked at at once
         self.clock = clock
         self.api = BatchAPI(cfg.llm)
-        self.results = Results(cfg, state, emit, api=self.api, templates=templates, works=works,
+        self.results = Results(cfg, state, emit, api=self.api, templates=templates,
+                               works=lambda: discovery.works,
                                run_result=run_result, revisits=revisits,
                                save=self._save, closed=self._closed)
         self._lock = threading.RLock()

@@ -383,9 +383,8 @@ class Daemon:
 def _batcher(daemon: Daemon) -> Batcher:
     """Batch mode's part, wired to the daemon's (jobs hands it sets, it hands back results)."""
     batcher = Batcher(daemon.cfg, daemon.state, daemon.emit, stopping=daemon.stop_event,
-                      templates=daemon.templates, works=lambda: daemon.discovery.works,
-                      discovery=daemon.discovery, run_result=daemon.jobs.run_result,
-                      revisits=daemon.revisits)
+                      templates=daemon.templates, discovery=daemon.discovery,
+                      run_result=daemon.jobs.run_result, revisits=daemon.revisits)
     daemon.metrics.register(metrics_runs.BatchGauges(batcher.snapshot))
     return batcher
 
