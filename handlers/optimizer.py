@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -42,13 +43,30 @@ def render_argv(command: Sequence[str], values: Mapping[str, str], *,
 
 def check_command(command: Sequence[str], placeholders: Sequence[str] = PLACEHOLDERS, *,
                   section: str = "optimizer") -> None:
-    """At start-up: an unknown placeholder, or an argument no program can be given."""
+    """At start-up: an unknown placeholder, an argument no program can be given,
+    or a program that is not there to run."""
     for part in command:
         if "\0" in part:
             # exec takes C strings: Popen would fail at every step, not at start.
             raise ConfigError(f"[{section}] command = {list(command)!r}: argument {part!r} "
                               "holds a NUL character, which no program can receive")
     render_argv(command, {name: name for name in placeholders}, section=section)
+    _check_program(command, section)
+
+
+def _check_program(command: Sequence[str], section: str) -> None:
+    """The program, found as exec will look for it (PATH, or a path from the
+    daemon's working folder) and executable: else every step fails its
+    attempts and the run stalls, days into a training, for a typo. A program
+    named by a placeholder ({run_dir}/train.sh) is found only when it runs."""
+    if not command or "{" in command[0]:
+        return
+    program = command[0]
+    if shutil.which(program) is not None:
+        return
+    where = ("no such file, or not executable" if os.sep in program
+             else f"not found on PATH ({os.environ.get('PATH', os.defpath)})")
+    raise ConfigError(f"[{section}] command = {list(command)!r}: program {program!r}: {where}")
 
 
 def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = None,

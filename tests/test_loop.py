@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 
 from skilltrain.daemon.core import config
+from skilltrain.daemon.core.errors import ConfigError
 from skilltrain.daemon.service.loop import stop_reason
+from skilltrain.handlers import optimizer
 from tests.daemon_helpers import (
     REPO,
     InProcessDaemon,
@@ -381,6 +383,20 @@ def test_a_run_deleted_and_started_again_under_its_name_runs_afresh(
 # -------------------------------------------------------------------- config
 
 
+def test_a_commands_program_is_checked_at_start_unless_a_placeholder_names_it(
+    tmp_path: Path,
+) -> None:
+    optimizer.check_command([sys.executable, "-c", "pass", "{run}"])
+    optimizer.check_command(["{run_dir}/train.sh", "{epoch}"])  # found when it runs
+    not_executable = tmp_path / "train.sh"
+    not_executable.write_text("#!/bin/sh\n")
+    for program in (str(not_executable), str(tmp_path / "absent"), "no-such-program-xyz"):
+        with pytest.raises(ConfigError, match="program"):
+            optimizer.check_command([program])
+    not_executable.chmod(0o755)
+    optimizer.check_command([str(not_executable)])
+
+
 def test_loop_config_errors_name_the_key_and_exit_2(tmp_path: Path) -> None:
     ws = build_workspace(tmp_path / "a", "http://127.0.0.1:9/v1",
                          extra="[loop]\nsteps_per_epoch = 2\n")
@@ -393,6 +409,22 @@ def test_loop_config_errors_name_the_key_and_exit_2(tmp_path: Path) -> None:
     assert sorted(p for p in tmp_path.rglob("*") if p != ws.log_file) == before
     (failed,) = read_events(ws.log_file, "daemon.failed")
     assert read_events(ws.log_file) == [failed]
+
+    # A command whose program is not there: every step would fail its attempts.
+    for section, program, says in (
+        ("writer", "no-such-writer-program", "not found on PATH"),
+        ("optimizer", str(tmp_path / "gone" / "optimize.sh"), "no such file, or not executable"),
+    ):
+        root = tmp_path / f"missing-{section}"
+        extra = f'[{section}]\ncommand = ["{program}", "{{run_dir}}"]\n'
+        if section == "writer":
+            extra += "[loop]\nsteps_per_epoch = 2\n"
+        missing = build_workspace(root, "http://127.0.0.1:9/v1", extra=extra)
+        before = sorted(root.rglob("*"))
+        result, _ = run_cli("daemon", "--config", str(missing.config_path))
+        assert result.returncode == 2, result.stderr
+        assert f"[{section}] command" in result.stderr and says in result.stderr
+        assert sorted(p for p in root.rglob("*") if p != missing.log_file) == before
 
     bad = build_workspace(tmp_path / "b", "http://127.0.0.1:9/v1",
                           extra="[loop]\nstop_belw = 0.1\n")
