@@ -33,6 +33,7 @@ import pytest
 
 from skilltrain.daemon.commands import status
 from skilltrain.daemon.core import config
+from skilltrain.daemon.core.errors import ConfigError
 from skilltrain.daemon.core.layout import StepKey
 from skilltrain.daemon.infra import llm
 from skilltrain.daemon.infra import log as slog
@@ -850,7 +851,7 @@ def test_failing_optimizer_is_retried_per_scan_up_to_max_attempts_and_blocks_not
     assert steps["r1/epoch_01/step_01"]["optimizer"] == "failed x3 (exit 3)"
 
 
-def test_optimizer_timeout_kills_it_and_a_missing_command_fails_cleanly(ws: Workspace) -> None:
+def test_optimizer_timeout_kills_it_and_a_missing_program_stops_the_start(ws: Workspace) -> None:
     ws.write_config(
         optimizer={
             "command": ws.recorder_command(gate=str(ws.root / "never")),
@@ -869,12 +870,10 @@ def test_optimizer_timeout_kills_it_and_a_missing_command_fails_cleanly(ws: Work
     ws.write_config(
         optimizer={"command": [str(ws.root / "no-such-optimizer"), "{run}"], "max_attempts": 1}
     )
-    ws.load()
     ws.scripts("r2", 1, 1, "a", range(1, 4))
-    lines = run_once(ws)
-    (failed,) = named(lines, "optimizer.failed", run="r2")
-    assert "cannot start" in failed["reason"]
-    assert named(lines, "daemon.stopped")[0]["exit_code"] == 0
+    with pytest.raises(ConfigError, match="no-such-optimizer"):  # exit 2, before any step
+        service.Daemon(ws.load(), once=True).start()
+    # One that goes missing once started: tests/test_steps.py.
 
 
 def test_empty_command_reports_the_step_and_starts_no_optimizer(ws: Workspace) -> None:

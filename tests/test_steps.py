@@ -30,12 +30,12 @@ OPTIMIZER = ("import pathlib, sys; d = pathlib.Path(sys.argv[1]); "
 
 
 class Bench:
-    def __init__(self, tmp_path: Path, *, command: bool = True) -> None:
+    def __init__(self, tmp_path: Path, *, command: list[str] | None = None) -> None:
         ws = build_workspace(tmp_path, "http://127.0.0.1:9/v1", works={"alpha": 6})
         cfg = config.load(ws.config_path)
-        optimizer = {"max_attempts": 2, "retry_backoff_s": BACKOFF_S,
-                     "command": [sys.executable, "-c", OPTIMIZER, str(tmp_path),
-                                 "{run}", "{epoch}", "{step}"] if command else []}
+        if command is None:
+            command = [sys.executable, "-c", OPTIMIZER, str(tmp_path), "{run}", "{epoch}", "{step}"]
+        optimizer = {"max_attempts": 2, "retry_backoff_s": BACKOFF_S, "command": command}
         self.cfg = cfg.model_copy(update={"optimizer": config.OptimizerConfig(**optimizer)})
         self.tmp_path = tmp_path
         self.exit_code(0)
@@ -161,7 +161,7 @@ def test_the_marker_keeps_a_lost_state_from_reporting_the_step_twice(bench: Benc
 
 
 def test_without_an_optimizer_command_a_reported_step_is_optimized(tmp_path: Path) -> None:
-    bench = Bench(tmp_path, command=False)
+    bench = Bench(tmp_path, command=[])
     bench.done()
     bench.check()
     assert len(bench.said("step.reported")) == 1 and bench.said("optimizer.started") == []
@@ -189,3 +189,12 @@ def test_a_state_that_lags_the_marker_does_not_run_the_optimizer_again(bench: Be
     assert bench.state.steps[STEP.id].optimizer_attempts == 1  # it lags
     bench.check()
     assert len(bench.calls()) == 2 and bench.steps.optimized(STEP)
+
+
+def test_an_optimizer_program_gone_since_the_start_is_a_failed_attempt(tmp_path: Path) -> None:
+    bench = Bench(tmp_path, command=[str(tmp_path / "optimize.sh"), "{run}"])  # deleted
+    bench.done()
+    bench.check()
+    (failed,) = bench.said("optimizer.failed")
+    assert "cannot start" in failed["reason"] and failed["will_retry"]
+    assert bench.marker()["optimizer_exit_code"] is None and not bench.marker()["optimizer_done"]
