@@ -10,6 +10,7 @@ demand without root.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -62,6 +63,42 @@ def test_a_daemon_that_stops_feeding_the_watchdog_says_why_first(
     time.sleep(0.15)  # a ping decided before the break may still be on its way
     received(sock)
     assert b"WATCHDOG=1" not in received(sock, 0.5)  # systemd will restart it, and the log says why
+
+
+def test_an_llm_event_loop_that_stops_running_makes_the_daemon_unhealthy(
+    tmp_path: Path, llm_server: LLMServer, start: Start,
+    listener: tuple[socket.socket, str], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    """Every call runs on the one LLM loop: a callback that blocks it (a
+    synchronous library call by mistake) stops every job while the rest of
+    the daemon looks fine. The health tick's probe sees it; the lag is a metric."""
+    from skilltrain.daemon.service import lifecycle
+
+    sock, path = listener
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.setattr(lifecycle, "LLM_LOOP_STALL_S", 1.5)
+    d = start(build_workspace(tmp_path, llm_server.url, works={"alpha": 3}))
+    llm, ws = d.daemon.jobs.llm, d.ws
+    lag = lambda: d.daemon.metrics.registry.get_sample_value(  # noqa: E731
+        "skilltrain_llm_loop_lag_seconds")
+    llm.run(asyncio.sleep(0))  # the loop runs (it starts on first use)
+    wait_until(lambda: llm.unanswered_s() == 0 and lag() is not None and lag() < 1, 5,
+               message="a probe answered")
+    assert d.daemon.healthy()
+
+    release = threading.Event()
+    llm.call_soon(release.wait, 10)  # blocks the loop's thread
+    try:
+        (said,) = wait_until(lambda: ws.events("daemon.unhealthy"), 6, message="unhealthy")
+        assert any("LLM event loop has not run" in r for r in said["reasons"]), said
+        assert lag() >= 1.5
+        received(sock)
+        assert b"WATCHDOG=1" not in received(sock, 0.5)  # systemd restarts it
+    finally:
+        release.set()
+    wait_until(d.daemon.healthy, 5, message="healthy again once the loop runs")
+    assert llm.lag_s >= 1.5  # the late answer is the lag it had
 
 
 # -------------------------------------------------------------------- scans

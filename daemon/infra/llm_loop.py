@@ -12,12 +12,19 @@ build a client per call and leave their sockets to the garbage collector.
 
 Threads: the loop itself (1), its default executor (up to 2), litellm's
 logging executor (bounded by LOGGING_EXECUTOR_MAX_THREADS, set in llm.py).
+
+Every call depends on this one thread: a callback that blocks it (a
+synchronous library call by mistake) or its death stops every job while the
+rest of the daemon looks fine. The daemon's health tick `probe()`s it: how
+late the loop answers is its lag (a metric), and a probe unanswered for
+long makes the daemon unhealthy, so systemd's watchdog restarts it.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -34,6 +41,9 @@ class LLMLoop:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._probe_lock = threading.Lock()
+        self._probe_sent: float | None = None  # monotonic time of the unanswered probe
+        self.lag_s = 0.0  # how late the loop answered its last probe
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -86,6 +96,30 @@ class LLMLoop:
     def call_soon(self, fn: Any, *args: Any) -> None:
         """Run `fn(*args)` on the loop's thread (thread-safe)."""
         self.loop.call_soon_threadsafe(fn, *args)
+
+    def probe(self) -> None:
+        """Ask the loop to answer (one probe at a time); never starts it."""
+        with self._probe_lock:
+            loop = self._loop
+            if loop is None or self._probe_sent is not None:
+                return
+            self._probe_sent = time.monotonic()
+        try:
+            loop.call_soon_threadsafe(self._answer)
+        except RuntimeError:
+            pass  # closed: it never answers, and unanswered_s() says so
+
+    def _answer(self) -> None:
+        with self._probe_lock:
+            if self._probe_sent is not None:
+                self.lag_s = time.monotonic() - self._probe_sent
+            self._probe_sent = None
+
+    def unanswered_s(self) -> float:
+        """How long the outstanding probe has waited (0: none outstanding)."""
+        with self._probe_lock:
+            sent = self._probe_sent
+        return 0.0 if sent is None else time.monotonic() - sent
 
     def threads(self) -> int:
         """The loop's thread and its executor's threads now alive."""

@@ -188,6 +188,7 @@ class Jobs:
                                  on_change=self._limit_event)
         metrics.watch_limiters(self.limiters)
         self.llm = llm_loop
+        metrics.watch_llm_loop(llm_loop)
         self.abort = threading.Event()  # abandon jobs waiting to retry
         self.outcomes = Outcomes(cfg, state, emit, clock=clock, steps=steps)
         self.pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="loss")

@@ -64,6 +64,7 @@ from .watcher import Watcher
 
 LOOP_TICK_S = 1.0
 STALL_S = 60.0  # no scan, job end or loop tick for this long: the daemon is stuck
+LLM_LOOP_STALL_S = 30.0  # its callbacks take milliseconds: one this late, it is blocked
 RESYNC_JITTER = 0.1  # +-10%: daemons on one NFS server do not scan in lockstep
 ONCE_SETTLE_ROUNDS = 5  # --once: rescans after a settle wait before it gives up on a set
 
@@ -156,8 +157,8 @@ class Daemon:
         # Temp files of writes a crash cut short: the state folder's now (it
         # is read next); the loss folders' too with --once, else after ready.
         started_at = self.clock()
-        self._clean_leftovers([self.runs / layout.STATE_DIR, *(_loss_dirs(self.runs) if self.once
-                                                               else [])], started_at)
+        _clean_leftovers([self.runs / layout.STATE_DIR, *(_loss_dirs(self.runs) if self.once
+                                                          else [])], started_at, self.emit)
         self.loop.prepare()
         self.discovery.load_works()
         _install_answer_keys(self.cfg.paths.data, self.emit)
@@ -201,7 +202,8 @@ class Daemon:
         # A folder per report step: on a large tree, seconds of directory
         # reads. Nothing reads a temp file meanwhile (exact names, and temp
         # names end in .tmp); our own writes are newer.
-        threading.Thread(target=lambda: self._clean_leftovers(_loss_dirs(self.runs), started_at),
+        threading.Thread(target=lambda: _clean_leftovers(_loss_dirs(self.runs), started_at,
+                                                         self.emit),
                          name="cleanup", daemon=True).start()
         if self.cfg.integrity.audit_on_start:
             # Full leak audit of runs/; hits logged without their text.
@@ -224,11 +226,6 @@ class Daemon:
         self.metrics.catching_up(looked, total)
         self._flush_state()  # a start killed now keeps what it has looked at
 
-    def _clean_leftovers(self, dirs: list[Path], written_before: float) -> None:
-        removed = sum(atomic.remove_leftover_temp_files(d, written_before) for d in dirs)
-        if removed:
-            self.emit("daemon.cleaned", temp_files=removed)
-
     def _scanned(self, open_step_dirs: set[Path]) -> None:
         """After each scan: watch where sets can still change, and check the watches hold."""
         self.watcher.watch_open_steps(open_step_dirs)
@@ -248,6 +245,8 @@ class Daemon:
             problems.append("the scheduler is not running")
         if not self.heartbeat.recent(STALL_S):
             problems.append(f"no progress for {self.heartbeat.age_s():.0f} s")
+        if (unanswered_s := self.jobs.llm.unanswered_s()) > LLM_LOOP_STALL_S:
+            problems.append(f"the LLM event loop has not run for {unanswered_s:.0f} s")
         return problems
 
     def _unhealthy(self) -> None:
@@ -261,6 +260,7 @@ class Daemon:
         last_status = ""
         while not self.stop_event.wait(LOOP_TICK_S):
             self.heartbeat.beat()
+            self.jobs.llm.probe()  # every call runs on it: its lag, and whether it runs
             if self.watcher.root_replaced() or not self.watcher.alive():
                 self._watcher_died()
                 continue
@@ -413,6 +413,13 @@ def _loss_dirs(runs: Path) -> list[Path]:
     """Where the daemon writes besides runs/.skilltrain/: runs/*/loss/."""
     return [run / layout.LOSS_DIR for run in layout.run_dirs(runs)
             if (run / layout.LOSS_DIR).is_dir()]
+
+
+def _clean_leftovers(dirs: list[Path], written_before: float, emit: Callable[..., None]) -> None:
+    """Temp files a killed daemon left in these folders, older than this start."""
+    removed = sum(atomic.remove_leftover_temp_files(d, written_before) for d in dirs)
+    if removed:
+        emit("daemon.cleaned", temp_files=removed)
 
 
 def preflight(cfg: config.Config, *, once: bool = False) -> None:

@@ -198,6 +198,13 @@ class Metrics:
         """Export the LLM endpoints' limiters (llm_limit.Limiters), read at scrape time."""
         self.registry.register(_Limiters(limiters))
 
+    def watch_llm_loop(self, loop: Any) -> None:
+        """The LLM event loop's lag (llm_loop.LLMLoop), read at scrape time: how late
+        it answered the last health probe, or how long the outstanding one has waited."""
+        Gauge(f"{PREFIX}_llm_loop_lag_seconds", "How late the LLM event loop runs a "
+              "callback (a blocked or dead loop: growing)", registry=self.registry
+              ).set_function(lambda: max(loop.lag_s, loop.unanswered_s()))
+
     def catching_up(self, looked: int, total: int) -> None:
         """The start-up scan's progress."""
         self.startup_catching_up.set(1)
