@@ -94,6 +94,8 @@ class BatchServer:
         self.batches: dict[str, _Batch] = {}
         self.uploads = 0
         self.creates = 0
+        self.reject_creates = 0  # the next this many creates get HTTP 400 (not accepted)
+        self.rejected = 0
         self.polls = 0
         self.cancels = 0
         self.billed: list[str] = []  # custom_id of every request answered in a batch
@@ -158,6 +160,14 @@ class BatchServer:
             self.batches[batch.id] = batch
             self.creates += 1
             return batch.as_json()
+
+    def take_rejection(self) -> bool:
+        with self._lock:
+            if self.reject_creates <= 0:
+                return False
+            self.reject_creates -= 1
+            self.rejected += 1
+            return True
 
     def retrieve(self, batch_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -312,6 +322,9 @@ class _Handler(BaseHTTPRequestHandler):
             if (hold := owner.plan.hold_after_upload) is not None:
                 hold.wait(60)
             self._json(200, reply)
+        elif url.path == "/v1/batches" and owner.take_rejection():
+            self._json(400, {"error": {"message": "loopback: this batch is not accepted",
+                                       "type": "invalid_request_error"}})
         elif url.path == "/v1/batches":
             created = owner.create(json.loads(raw or b"{}"))
             if created and (hold := owner.plan.hold_after_create) is not None:

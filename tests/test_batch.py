@@ -39,11 +39,12 @@ def server() -> Iterator[BatchServer]:
 
 
 def workspace(tmp_path: Path, server: BatchServer, *, model: str = PRICED,
-              run_toml: dict[str, str] | None = None, **llm: Any) -> Workspace:
+              run_toml: dict[str, str] | None = None, max_attempts: int = 5,
+              retry_backoff_s: float = 0.2, **llm: Any) -> Workspace:
     keys = {**FAST, "mode": "batch", **llm}
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
     ws = build_workspace(tmp_path, server.url, works={"alpha": 6, "beta": 3}, settle_s=0.2,
-                         retry_backoff_s=0.2)
+                         retry_backoff_s=retry_backoff_s, max_attempts=max_attempts)
     text = ws.config_path.read_text(encoding="utf-8")
     text = text.replace('model = "openai/loopback-model"\n', f'model = "{model}"\n' + extra)
     ws.config_path.write_text(text, encoding="utf-8")
@@ -140,6 +141,39 @@ def test_an_expired_batch_sends_its_unanswered_sets_again(
     assert ws.events("batch.expired")[0]["unanswered"] == 2
     assert server.creates == 2 and len(server.billed) == 3  # each set paid once
     assert not ws.events("loss.failed")  # not an attempt used up
+
+
+def test_a_batch_the_provider_does_not_accept_is_sent_again_after_a_backoff(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server, retry_backoff_s=1.0)  # ~1 s, then ~2 s
+    server.reject_creates = 2
+    sets = ws.write_step("r1", 0, 0, success=True)
+    d = start(ws)
+    wait_until(lambda: server.rejected == 1 and all(
+        (r := d.daemon.state.get(s.id)) and r.state == "failed" and r.next_retry_at
+        for s in sets), 30, message="the sets waiting out the first refusal")
+    wait_until(all_reported(ws), 60, message="every set reported")
+    assert server.rejected == 2 and server.creates == 1 and len(server.billed) == 3
+    assert len(ws.events("batch.error")) == 2 and not ws.events("batch.gave_up")
+    assert len(ws.events("set.ready")) == 9  # each set sent three times
+    assert not ws.events("loss.failed")  # the sets did not fail: the batch was not accepted
+
+
+def test_a_batch_never_accepted_gives_up_after_max_attempts(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    ws = workspace(tmp_path, server, max_attempts=2)
+    server.reject_creates = 1000
+    sets = ws.write_step("r1", 0, 0, success=True)
+    d = start(ws)
+    (gave_up,) = wait_until(lambda: ws.events("batch.gave_up"), 60, message="batch.gave_up")
+    assert gave_up["level"] == "error" and gave_up["attempts"] == 2 and gave_up["sets"] == 3
+    assert "not accepted" in gave_up["error"]
+    for s in sets:
+        rec = d.daemon.state.get(s.id)
+        assert rec is not None and rec.state == "failed" and rec.next_retry_at is None
+        assert rec.reason is not None and rec.reason.startswith("gave up after 2 batches")
+    assert stays(lambda: server.rejected == 2, 1.5)  # no third batch by itself
+    assert not any(ws.has_report(s) for s in sets)
 
 
 def test_cancel_file_cancels_and_sends_the_sets_live(

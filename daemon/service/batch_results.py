@@ -12,7 +12,11 @@ batch was sent: InputsChangedError, discarded and redone. An item the
 provider failed: LLMError with its guarded message, retried like a failed
 live call (in the next batch, or live with `[llm] batch_failed = "live"`).
 An item an expired or cancelled batch never answered is sent again,
-without counting an attempt.
+without counting an attempt. A batch the provider did not accept (its
+create failed, and no batch carries its key) sends its sets again after the
+loss jobs' backoff, growing with each refusal in a row; after `[loss]
+max_attempts` of them its sets give up (FAILED, `batch.gave_up`) like a
+live call that keeps failing.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ...handlers import loss
-from ..core import config, dataset, layout
+from ..core import backoff, config, dataset, layout
 from ..core.errors import InputsChangedError, LLMError
 from ..core.templates import PromptTemplates
 from ..infra import batch_api
@@ -31,7 +35,7 @@ from ..infra.batch_api import BatchAPI, BatchAPIError, BatchStatus, ItemResult
 from ..infra.state import SetState, StateStore
 from .batch_store import OPEN, BatchItem, BatchRecord
 from .observe import Fingerprint
-from .revisit import Revisits
+from .revisit import Revisit, Revisits, Why
 
 if TYPE_CHECKING:
     from .batch import Waiting
@@ -63,6 +67,8 @@ class Results:
         self.closed = closed
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
+        self._create_errors: dict[str, str] = {}  # record key -> why its create failed
+        self._refused: dict[str, int] = {}  # step id -> batches not accepted in a row
 
     # ------------------------------------------------------------ live once
     def send_live(self, set_id: str) -> None:
@@ -111,10 +117,15 @@ class Results:
             # Created or not: the next poll looks for it by its key.
             self.emit("batch.error", level="warning", run=rec.run, step=rec.step,
                       error=str(e), sets=len(items))
+            with self._lock:
+                self._create_errors[rec.key] = str(e)
             return
         self._opened(rec, batch_id, recovered=False)
 
     def _opened(self, rec: BatchRecord, batch_id: str, *, recovered: bool) -> None:
+        with self._lock:
+            self._create_errors.pop(rec.key, None)
+            self._refused.pop(rec.step, None)
         rec.batch_id, rec.state = batch_id, OPEN
         rec.submitted_at = rec.submitted_at or time.time()
         self.save(rec)
@@ -134,12 +145,41 @@ class Results:
         if batch_id is not None:
             self._opened(rec, batch_id, recovered=True)
             return
-        # Never created: its sets are sent again (next batch), nothing was paid.
+        # Never created: nothing was paid; its sets are sent again (next batch).
         for item in rec.items:
             item.outcome = "returned"
         self.closed(rec)
+        with self._lock:
+            error = self._create_errors.pop(rec.key, None)
+            refused = self._refused.get(rec.step, 0) + (error is not None)
+            self._refused[rec.step] = refused
+        if error is None:  # saved by a daemon killed before its create: not a refusal
+            for item in rec.items:
+                self._again(item.set_id)
+            return
+        self._not_accepted(rec, refused, error)
+
+    def _not_accepted(self, rec: BatchRecord, refused: int, error: str) -> None:
+        """The provider did not accept the step's batch `refused` times in a row:
+        its sets wait the loss jobs' backoff, or give up at [loss] max_attempts."""
+        gave_up = refused >= self.cfg.loss.max_attempts
+        if gave_up:
+            self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
+                      sets=len(rec.items), attempts=refused, error=error)
+        retry_at = None if gave_up else time.time() + backoff.loss_job(self.cfg).delay_s(refused)
         for item in rec.items:
-            self._again(item.set_id)
+            key = set_key(item.set_id)
+            if key is None:
+                continue
+            if gave_up:
+                reason = f"gave up after {refused} batches the provider did not accept: {error}"
+            else:
+                reason = f"the provider did not accept its batch ({error}); sent again soon"
+            self.state.update(item.set_id, SetState.FAILED, reason=reason,
+                              attempts=self.cfg.loss.max_attempts if gave_up else item.attempts,
+                              next_retry_at=retry_at, fingerprint=item.fingerprint)
+            if retry_at is not None:
+                self.revisits.ask(Revisit(key, retry_at, Why.RETRY))
 
     # ------------------------------------------------------------ results
     def close(self, rec: BatchRecord, status: BatchStatus) -> bool:
