@@ -36,10 +36,13 @@ def test_a_loss_job_doubles_with_twenty_percent_jitter() -> None:
     assert policy.delay_s(10, uniform=HIGH) == pytest.approx(10 * 2**9 * 1.2)
 
 
-def test_a_rate_limited_job_waits_one_base_wait_each_time() -> None:
+def test_a_rate_limited_job_doubles_up_to_the_larger_of_its_base_and_the_llm_cap() -> None:
     policy = backoff.rate_limited(cfg(loss={"retry_backoff_s": 10.0}, llm={"backoff_max_s": 50}))
-    assert policy.delay_s(1, uniform=HIGH) == pytest.approx(12.0)
+    assert [policy.delay_s(n, uniform=LOW) for n in (1, 2, 3, 4, 9)] == pytest.approx(
+        [8, 16, 32, 40, 40])
     assert policy.delay_s(1, retry_after_s=500.0, uniform=HIGH) == 50.0
+    big_base = backoff.rate_limited(cfg(loss={"retry_backoff_s": 300.0}, llm={"backoff_max_s": 50}))
+    assert big_base.delay_s(3, uniform=LOW) == pytest.approx(240.0)  # never under its base
 
 
 def test_the_writer_doubles_without_jitter_and_the_optimizer_waits_the_same() -> None:

@@ -83,6 +83,11 @@ def test_a_rate_limited_call_is_retried_without_using_an_attempt(tmp_path: Path)
              for _ in range(5)]  # more than max_attempts: none of them counts
     assert [name for name, _ in rec.events] == ["loss.rate_limited"] * 5
     assert all(r is not None and r.at is not None and r.at >= NOW + 30.0 for r in looks)
+    # Each in a row waits longer (10 s doubling, +-20 %), up to [llm] backoff_max_s.
+    assert [e["in_a_row"] for _, e in rec.events] == [1, 2, 3, 4, 5]
+    waits = [e["next_retry_s"] for _, e in rec.events]
+    assert waits[:2] == [30.0, 30.0]  # the server's Retry-After is longer still
+    assert 32 <= waits[2] <= 48 and 64 <= waits[3] <= 96 and 96 <= waits[4] <= 120
     final = state.get(KEY.id)
     assert final is not None and final.attempts == 0 and out.failures == 0
 
@@ -110,3 +115,17 @@ def test_each_other_way_out_sets_its_state_and_says_it_once(
     assert (look.why if look else None) == expected
     if state == SetState.SETTLING:
         assert look == Revisit(KEY, NOW + SETTLE_S, Why.RESETTLE)
+
+
+def test_a_rate_limited_wait_starts_over_once_a_call_gets_through(tmp_path: Path) -> None:
+    rec = Recorder()
+    out, state = outcomes(tmp_path, rec)
+    limited = LLMError("HTTP 429", rate_limited=True)
+    for _ in range(3):
+        out.record(KEY, FP, 0, None, limited)
+    out.record(KEY, FP, 0, None, LLMError("HTTP 500"))  # the provider answered: not a limit
+    final = state.get(KEY.id)
+    assert final is not None and final.rate_limited == 0
+    look = out.record(KEY, FP, 1, None, limited)
+    assert rec.events[-1][1]["in_a_row"] == 1
+    assert look is not None and look.at is not None and look.at - NOW <= 12.0

@@ -9,12 +9,16 @@ Each stage keeps its own numbers in config; their shapes are all here:
     stage               base_s                       factor  jitter  cap (Retry-After cap)
     an LLM call         [llm] backoff_initial_s      2       full    [llm] backoff_max_s (same)
     a loss job          [loss] retry_backoff_s       2       +-20 %  - ([llm] backoff_max_s)
-    a rate-limited job  [loss] retry_backoff_s       1       +-20 %  - ([llm] backoff_max_s)
+    a rate-limited job  [loss] retry_backoff_s       2       +-20 %  the larger of the two
+                                                                     ([llm] backoff_max_s)
     the writer          [writer] retry_backoff_s     2       none    -
     the optimizer       [optimizer] retry_backoff_s  1       none    -
 
-A rate-limited job is not a failure of its set: it waits one base wait each
-time (n = 1). The optimizer's key falls back to [loss] retry_backoff_s when unset.
+A rate-limited job is not a failure of its set (no attempt is used); its
+wait doubles with each rate-limited call in a row, up to the larger of [loss]
+retry_backoff_s and [llm] backoff_max_s, so a provider that keeps refusing is
+asked less and less often. The optimizer's key falls back to [loss]
+retry_backoff_s when unset.
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ class Backoff:
             wait = uniform(0, wait)
         elif self.jitter:
             wait *= uniform(1 - self.jitter, 1 + self.jitter)
+            if self.cap_s is not None:
+                wait = min(wait, self.cap_s)  # "at most cap_s" holds after the spread too
         if retry_after_s is not None:
             # The server's last word on when to come back wins when it is later.
             if self.retry_after_max_s is not None:
@@ -73,7 +79,8 @@ def loss_job(cfg: Config) -> Backoff:
 
 def rate_limited(cfg: Config) -> Backoff:
     """Before a set whose call the provider's rate limit refused is tried again."""
-    return Backoff(cfg.loss.retry_backoff_s, factor=1.0, jitter=LOSS_JITTER,
+    return Backoff(cfg.loss.retry_backoff_s, jitter=LOSS_JITTER,
+                   cap_s=max(cfg.loss.retry_backoff_s, cfg.llm.backoff_max_s),
                    retry_after_max_s=cfg.llm.backoff_max_s)
 
 

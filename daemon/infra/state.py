@@ -58,6 +58,7 @@ class SetRecord:
     fingerprint: dict[str, Any] | None = None  # observe.Fingerprint.as_json() of the last report
     refused_fingerprint: dict[str, Any] | None = None
     updated_at: float = field(default_factory=time.time)
+    rate_limited: int = 0  # calls in a row that gave up on the provider's rate limit alone
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Outcomes:
                   tokens_cache_write=spend.tokens_cache_write)
         self.steps.reopen(key)
         self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
-                          fingerprint=fp.as_json())
+                          fingerprint=fp.as_json(), rate_limited=0)
 
     def fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
               retry_after_s: float | None = None, event: str = "loss.failed",
@@ -123,17 +123,21 @@ class Outcomes:
                   next_retry_s=None if next_at is None else round(next_at - self.clock(), 1),
                   **details)
         self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
-                          next_retry_at=next_at, fingerprint=fp.as_json())
+                          next_retry_at=next_at, fingerprint=fp.as_json(), rate_limited=0)
         return None if next_at is None else Revisit(key, next_at, Why.RETRY)
 
     def _rate_limited(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
                       retry_after_s: float | None) -> Revisit:
         """The provider's rate limit, not the set, ended the call: tried again later,
-        and not counted against [loss] max_attempts (nor the exit code)."""
-        wait_s = backoff.rate_limited(self.cfg).delay_s(1, retry_after_s=retry_after_s)
+        and not counted against [loss] max_attempts (nor the exit code); the wait
+        grows with each such call in a row."""
+        rec = self.state.get(key.id)
+        in_a_row = (rec.rate_limited if rec else 0) + 1
+        wait_s = backoff.rate_limited(self.cfg).delay_s(in_a_row, retry_after_s=retry_after_s)
         next_at = self.clock() + wait_s
         self.emit("loss.rate_limited", level="warning", reason=reason, attempts=attempts,
-                  next_retry_s=round(wait_s, 1))
+                  in_a_row=in_a_row, next_retry_s=round(wait_s, 1))
         self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
-                          next_retry_at=next_at, fingerprint=fp.as_json())
+                          next_retry_at=next_at, fingerprint=fp.as_json(),
+                          rate_limited=in_a_row)
         return Revisit(key, next_at, Why.RETRY)
