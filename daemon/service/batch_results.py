@@ -164,6 +164,8 @@ class Results:
         its sets wait the loss jobs' backoff, or give up at [loss] max_attempts."""
         gave_up = refused >= self.cfg.loss.max_attempts
         if gave_up:
+            with self._lock:
+                self._refused.pop(rec.step, None)  # sets made anew start a fresh count
             self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
                       sets=len(rec.items), attempts=refused, error=error)
         retry_at = None if gave_up else time.time() + backoff.loss_job(self.cfg).delay_s(refused)
