@@ -165,13 +165,15 @@ def test_a_batch_never_accepted_gives_up_after_max_attempts(
     server.reject_creates = 1000
     sets = ws.write_step("r1", 0, 0, success=True)
     d = start(ws)
-    (gave_up,) = wait_until(lambda: ws.events("batch.gave_up"), 60, message="batch.gave_up")
+    def given_up(s: Any) -> bool:
+        rec = d.daemon.state.get(s.id)
+        return bool(rec and rec.state == "failed" and rec.next_retry_at is None
+                    and rec.reason and rec.reason.startswith("gave up after 2 batches"))
+
+    wait_until(lambda: all(given_up(s) for s in sets), 60, message="every set given up")
+    (gave_up,) = wait_until(lambda: ws.events("batch.gave_up"), 10, message="batch.gave_up")
     assert gave_up["level"] == "error" and gave_up["attempts"] == 2 and gave_up["sets"] == 3
     assert "not accepted" in gave_up["error"]
-    for s in sets:
-        rec = d.daemon.state.get(s.id)
-        assert rec is not None and rec.state == "failed" and rec.next_retry_at is None
-        assert rec.reason is not None and rec.reason.startswith("gave up after 2 batches")
     assert stays(lambda: server.rejected == 2, 1.5)  # no third batch by itself
     assert not any(ws.has_report(s) for s in sets)
 

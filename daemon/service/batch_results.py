@@ -151,12 +151,12 @@ class Results:
         self.closed(rec)
         with self._lock:
             error = self._create_errors.pop(rec.key, None)
-            refused = self._refused.get(rec.step, 0) + (error is not None)
-            self._refused[rec.step] = refused
         if error is None:  # saved by a daemon killed before its create: not a refusal
             for item in rec.items:
                 self._again(item.set_id)
             return
+        with self._lock:
+            refused = self._refused[rec.step] = self._refused.get(rec.step, 0) + 1
         self._not_accepted(rec, refused, error)
 
     def _not_accepted(self, rec: BatchRecord, refused: int, error: str) -> None:
@@ -166,8 +166,6 @@ class Results:
         if gave_up:
             with self._lock:
                 self._refused.pop(rec.step, None)  # sets made anew start a fresh count
-            self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
-                      sets=len(rec.items), attempts=refused, error=error)
         retry_at = None if gave_up else time.time() + backoff.loss_job(self.cfg).delay_s(refused)
         for item in rec.items:
             key = set_key(item.set_id)
@@ -182,6 +180,9 @@ class Results:
                               next_retry_at=retry_at, fingerprint=item.fingerprint)
             if retry_at is not None:
                 self.revisits.ask(Revisit(key, retry_at, Why.RETRY))
+        if gave_up:  # said once its sets are recorded as failed
+            self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
+                      sets=len(rec.items), attempts=refused, error=error)
 
     # ------------------------------------------------------------ results
     def close(self, rec: BatchRecord, status: BatchStatus) -> bool:
