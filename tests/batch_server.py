@@ -100,6 +100,8 @@ class BatchServer:
         self.cancels = 0
         self.billed: list[str] = []  # custom_id of every request answered in a batch
         self.live_requests = 0
+        self.era = 0  # set by a test: which daemon was running when a request came
+        self.live_log: list[tuple[int, dict[str, Any]]] = []  # (era, body) of each live call
         self._httpd: ThreadingHTTPServer | None = None
 
     # -- lifecycle
@@ -254,6 +256,7 @@ class BatchServer:
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             self.live_requests += 1
+            self.live_log.append((self.era, body))
         request = Request(time.monotonic(), time.time(), "/v1/chat/completions", {}, body,
                           body.get("model"))
         return completion_body(self.responder(body), request)

@@ -1,7 +1,8 @@
 """What a loss job came to, and when its set is tried again: the retry policy
 on its own (daemon/service/outcomes.py, core/backoff.py), with a clock the
 test sets, a real state store, and no daemon, watcher or LLM. The look a
-set needs next is the value `record` returns (a Revisit)."""
+set needs next is in the Decision `record` returns; here it is applied to
+the store as the owner (owner.py) applies it."""
 
 from __future__ import annotations
 
@@ -38,13 +39,33 @@ class Recorder:
         self.events.append((event, {"level": level, **fields}))
 
 
-def outcomes(tmp_path: Path, rec: Recorder, **loss: Any) -> tuple[Outcomes, StateStore]:
+class Applied:
+    """Outcomes, each Decision written to the store as the owner writes it; the look."""
+
+    def __init__(self, outcomes: Outcomes, state: StateStore) -> None:
+        self.outcomes = outcomes
+        self.state = state
+
+    @property
+    def failures(self) -> int:
+        return self.outcomes.failures
+
+    def record(self, key: layout.SetKey, fp: Fingerprint, attempts: int, result: Any,
+               error: BaseException | None) -> Revisit | None:
+        decision = self.outcomes.record(key, fp, attempts, result, error)
+        assert decision.send is None  # an outcome never sends: a look decides that
+        if decision.state is not None:
+            self.state.update(key.id, decision.state, **decision.changes)
+        return decision.revisit
+
+
+def outcomes(tmp_path: Path, rec: Recorder, **loss: Any) -> tuple[Applied, StateStore]:
     cfg = config.Config.model_validate(
         {"loss": {"max_attempts": 3, "retry_backoff_s": 10.0, "settle_s": SETTLE_S, **loss},
          "llm": {"backoff_max_s": 120.0}})
     state = StateStore(tmp_path / "runs", tmp_path / "state.sqlite3")
-    return Outcomes(cfg, state, rec.emit, clock=lambda: NOW,
-                    steps=None), state  # type: ignore[arg-type]
+    return Applied(Outcomes(cfg, state, rec.emit, clock=lambda: NOW,
+                            steps=None), state), state  # type: ignore[arg-type]
 
 
 def test_a_failed_call_is_retried_after_a_doubling_jittered_backoff_up_to_max_attempts(

@@ -1,10 +1,11 @@
 """The evaluation of one set, decision by decision (daemon/service/reconcile.py).
 
-Each way out of `Reconciler.evaluate` on its own: the state it records, the
-next look it returns (a Revisit), and whether it hands the set to a job. Real
-files under tmp_path, a real state store, discovery, settle clock and budget;
-a clock the test sets; no daemon, scheduler, watcher or LLM (the job a set
-would get is recorded, not run).
+Each way out of `Reconciler.evaluate` on its own, applied by the real owner
+(owner.py): the state it records, the next look it asks for (a Revisit), and
+whether it sends the set for a report. Real files under tmp_path, a real
+state store, discovery, settle clock, budget and owner; a clock the test
+sets; no daemon, scheduler, watcher or LLM (the ticket a set would get is
+recorded, not run).
 """
 
 from __future__ import annotations
@@ -16,39 +17,55 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon.core import config, dataset, layout
+from skilltrain.daemon.core import config, layout
 from skilltrain.daemon.core.notify import Heartbeat
 from skilltrain.daemon.core.templates import PromptTemplates
 from skilltrain.daemon.infra.state import SetState, StateStore
 from skilltrain.daemon.service import reconcile
+from skilltrain.daemon.service.budget import Budget
+from skilltrain.daemon.service.decision import NOTHING, Outcome, Ticket
 from skilltrain.daemon.service.discovery import Discovery
-from skilltrain.daemon.service.jobs import Budget, Claims
 from skilltrain.daemon.service.observe import Fingerprint
+from skilltrain.daemon.service.owner import SetOwner
 from skilltrain.daemon.service.reconcile import Reconciler
-from skilltrain.daemon.service.revisit import Revisit, Revisits, Why
+from skilltrain.daemon.service.revisit import Revisit, Why
 from skilltrain.daemon.service.settle import SettleClock
 from tests.daemon_helpers import Workspace, build_workspace
 
 SETTLE_S = 30.0
 
 
-class FakeJobs:
-    """What evaluation asks of the jobs: a claim, the budget, a submit (recorded)."""
+class RecordingTransport:
+    """Records each ticket sent; its outcome ends at once (nothing decided) unless held."""
 
-    def __init__(self, cfg: config.Config, state: StateStore, budget: Budget) -> None:
-        self.runs = cfg.paths.runs
-        self.state = state
-        self.budget = budget
-        self.claims = Claims()
+    QUEUED_REASON = None
+
+    def __init__(self) -> None:
         self.submitted: list[tuple[layout.SetKey, Fingerprint, int]] = []
+        self.hold = False
+        self.held: list[Outcome] = []
 
-    def submit(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-               attempts: int) -> None:
-        self.submitted.append((key, fp, attempts))
+    def send(self, ticket: Ticket) -> Outcome:
+        self.submitted.append((ticket.key, ticket.fp, ticket.attempts))
+        outcome = Outcome()
+        if self.hold:
+            self.held.append(outcome)
+        else:
+            outcome.set_result(NOTHING)
+        return outcome
 
-    def hold_if_over_budget(self, key: layout.SetKey) -> bool:
-        from skilltrain.daemon.service.jobs import Jobs
-        return Jobs.hold_if_over_budget(self, key)  # type: ignore[arg-type]
+
+class RecordingRevisits:
+    """The looks the owner asks for; the earliest of a look's is what `evaluate` returns."""
+
+    def __init__(self) -> None:
+        self.asked: list[Revisit] = []
+
+    def serve(self, *parts: Any) -> None:
+        pass
+
+    def ask(self, *revisits: Revisit | None) -> None:
+        self.asked += [r for r in revisits if r is not None]
 
 
 class FakeLoop:
@@ -64,6 +81,9 @@ class FakeSteps:
         return False
 
     def check(self, step: layout.StepKey, keys: Any = None) -> None:
+        pass
+
+    def reopen(self, key: layout.SetKey) -> None:
         pass
 
 
@@ -84,16 +104,19 @@ class Bench:
         discovery.load_works()
         settle = SettleClock(cfg.loss.settle_s, cfg.paths.runs, discovery.ignore)
         stopping = threading.Event()
-        revisits = Revisits(None, settle, stopping=stopping, once=False)  # type: ignore[arg-type]
-        self.budget = Budget(cfg.llm.budget_usd, self.state, self.emit)
-        self.jobs = FakeJobs(cfg, self.state, self.budget)
+        self.revisits = RecordingRevisits()
+        self.budget = Budget(cfg.llm.budget_usd, self.state, self.emit, runs=cfg.paths.runs)
+        self.jobs = RecordingTransport()
         self.loop = FakeLoop()
+        self.owner = SetOwner(self.state, self.emit, revisits=self.revisits,  # type: ignore[arg-type]
+                              steps=FakeSteps(), heartbeat=Heartbeat(),  # type: ignore[arg-type]
+                              live=self.jobs, batch=None)
         self.reconciler = Reconciler(
             cfg, self.state, self.emit, clock=lambda: self.now, stopping=stopping,
-            revisits=revisits, settle=settle, discovery=discovery,
-            jobs=self.jobs, steps=FakeSteps(), loop=self.loop,  # type: ignore[arg-type]
-            templates=PromptTemplates(cfg.paths.prompts), heartbeat=Heartbeat(),
-            scanned=lambda dirs: None)
+            revisits=self.revisits, settle=settle, discovery=discovery,  # type: ignore[arg-type]
+            owner=self.owner, budget=self.budget, steps=FakeSteps(),  # type: ignore[arg-type]
+            loop=self.loop, templates=PromptTemplates(cfg.paths.prompts),  # type: ignore[arg-type]
+            heartbeat=Heartbeat(), scanned=lambda dirs: None)
         (s,) = self.ws.write_step("r1", 1, 1)
         self.set = s
         self.key = layout.SetKey(s.run, s.epoch, s.step, s.work, s.first, s.last)
@@ -102,7 +125,11 @@ class Bench:
         self.events.append((event, {"level": level, **fields}))
 
     def evaluate(self) -> Revisit | None:
-        return self.reconciler.evaluate(self.key)
+        """One look, applied by the owner; the earliest look it asked for (now first)."""
+        before = len(self.revisits.asked)
+        self.reconciler.look(self.key)
+        asked = self.revisits.asked[before:]
+        return min(asked, key=lambda r: -1.0 if r.at is None else r.at, default=None)
 
     def settled(self) -> Fingerprint:
         """Past the settle wait: the set's first look starts it, the second ends it."""
@@ -138,11 +165,15 @@ def test_a_set_in_a_step_the_loops_writer_is_writing_waits_for_the_writer(bench:
     assert bench.jobs.submitted == []
 
 
-def test_a_set_with_a_job_is_not_looked_at_beside_it_but_once_more_after(bench: Bench) -> None:
-    bench.jobs.claims.start_job(bench.key.id, lambda: None)  # type: ignore[arg-type,return-value]
-    assert bench.evaluate() is None
-    assert bench.state.get(bench.key.id) is None and bench.jobs.submitted == []
-    assert bench.jobs.claims.end_job(bench.key.id)  # the job's end: look again
+def test_a_set_on_its_way_to_a_report_is_not_looked_at_beside_it_but_once_more_after(
+    bench: Bench,
+) -> None:
+    bench.jobs.hold = True
+    bench.settled()  # sent: claimed until its outcome
+    assert bench.evaluate() is None and bench.evaluate() is None
+    assert len(bench.jobs.submitted) == 1 and bench.record().state == SetState.QUEUED
+    bench.jobs.held.pop().set_result(NOTHING)
+    assert bench.revisits.asked[-1] == Revisit(bench.key)  # its end: look again
 
 
 def test_a_look_asked_for_while_it_ran_returns_a_look_now(
@@ -151,7 +182,8 @@ def test_a_look_asked_for_while_it_ran_returns_a_look_now(
     real = reconcile.observe
 
     def observe(key: layout.SetKey, *args: Any) -> Any:
-        assert not bench.jobs.claims.claim_look(key.id)  # a hint meanwhile: coalesced
+        # A hint meanwhile: coalesced, not evaluated beside this look.
+        bench.owner.look(key, lambda k: pytest.fail("evaluated twice at once"))
         return real(key, *args)
 
     monkeypatch.setattr(reconcile, "observe", observe)

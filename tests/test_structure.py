@@ -6,7 +6,11 @@
   <- daemon/service <- daemon/commands; a folder imports only from those
   below it (the commands a person runs are the top, the foundation the bottom).
 - The service's parts import only downward: process -> lifecycle -> reconcile
-  -> jobs -> loop -> steps, and the watcher none of them.
+  -> owner -> batch -> jobs -> loop -> steps, and the watcher none of them.
+- One owner of a set's life: only daemon/service/owner.py writes a set's
+  state (`state.update`); the others return a Decision.
+- Explicit wiring: no part assigns another part's attribute (`self.x.y = ...`,
+  `daemon.x = ...`); a part gets what it uses when it is built.
 - One concept per module: no module over ~500 lines, no class over ~300.
 """
 
@@ -24,7 +28,9 @@ PACKAGES = ("daemon", "handlers")
 FOLDERS = ["daemon/core", "daemon/guard", "daemon/reviewer", "daemon/infra", "handlers",
            "daemon/service", "daemon/commands"]
 SERVICE = REPO / "daemon" / "service"
-LAYERS = ["process", "lifecycle", "reconcile", "jobs", "loop", "steps"]  # top to bottom
+LAYERS = ["process", "lifecycle", "reconcile", "owner", "batch", "jobs", "loop",
+          "steps"]  # top to bottom
+OWNER = SERVICE / "owner.py"  # the one writer of a set's state
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 310
 
@@ -129,3 +135,45 @@ def test_modules_and_classes_stay_small_enough_to_hold_in_your_head(path: Path) 
         if isinstance(node, ast.ClassDef):
             assert node.end_lineno is not None
             assert node.end_lineno - node.lineno + 1 <= MAX_CLASS_LINES, node.name
+
+
+def _state_updates(tree: ast.AST) -> Iterator[int]:
+    """Lines that call `<...>state.update(...)`: a set's state written."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "update":
+            owner = node.func.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "state") or \
+                    (isinstance(owner, ast.Name) and owner.id == "state"):
+                yield node.lineno
+
+
+def test_only_the_owner_writes_a_sets_state() -> None:
+    writers = {f"{path.relative_to(REPO)}:{line}" for path in modules() if path != OWNER
+               for line in _state_updates(ast.parse(path.read_text(encoding="utf-8")))}
+    assert writers == set(), "a set's state is written only by daemon/service/owner.py"
+    assert list(_state_updates(ast.parse(OWNER.read_text(encoding="utf-8"))))  # the probe works
+
+
+def _assigned_attributes(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for each in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(each, ast.Attribute):
+                    yield node.lineno, ast.unparse(each)
+
+
+def test_no_part_of_the_service_assigns_another_parts_attribute() -> None:
+    reaching = []
+    for path in sorted(SERVICE.glob("*.py")):
+        for line, target in _assigned_attributes(ast.parse(path.read_text(encoding="utf-8"))):
+            # self.x = ... is a part's own field; self.x.y = ..., daemon.x = ... are not.
+            if target.startswith("self.") and target.count(".") > 1 \
+                    or target.startswith(("daemon.", "jobs.", "revisits.", "batcher.")):
+                reaching.append(f"{path.name}:{line} {target}")
+    assert reaching == []

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, required=True)
     p.add_argument("--model", default=None, help="litellm model id (default: [llm] model)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds per LLM request (default: [llm] timeout)")
+                   help="seconds per LLM request (default: [llm] timeout_s)")
     p.set_defaults(func=_loss)
 
     p = sub.add_parser("status", help="is it working, and what needs attention",

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from ..core import config, layout, state_db, state_queries
 from ..core.lock import LOCK_FILE, holder_pid
-from ..infra.state import BUDGET_REASON, DEFAULT_FILE, SetState, StateStore, record_json
+from ..infra.state import BUDGET_REASON, SetState, StateStore, record_json
 from ..service import batch_store, run_record
 from . import status_attention
 from .status_attention import KINDS, Policy
@@ -48,7 +48,7 @@ def collect(runs: Path, state_path: Path | None = None, *, run: str | None = Non
     """
     args = (runs, run, policy or Policy(), attention_limit, all_sets,
             holder_pid(runs / layout.STATE_DIR), time.time() if now is None else now)
-    path = state_path or runs / layout.STATE_DIR / DEFAULT_FILE
+    path = state_path or layout.default_state_path(runs)
     try:
         with _open(runs, path) as (conn, unreadable):
             data = _query(conn, *args)

@@ -122,7 +122,7 @@ class Finder:
 
     def _optimizers(self, step_records: Mapping[str, Any], only_run: str | None) -> None:
         for step_id, rec in step_records.items():
-            run = step_id.split("/", 1)[0]
+            run = layout.run_of(step_id)
             if only_run not in (None, run) or not isinstance(rec, dict):
                 continue
             attempts = rec.get("optimizer_attempts") or 0
@@ -164,7 +164,7 @@ class Finder:
     def _held_stale(self, per_step: Mapping[str, int], only_run: str | None) -> None:
         """Sets whose report is stale and whose redo the budget holds back."""
         for step, n in per_step.items():
-            run = step.split("/", 1)[0]
+            run = layout.run_of(step)
             self.found.count(run, "held", n)
             self.found.per_run[run]["held_stale"] = \
                 self.found.per_run[run].get("held_stale", 0) + n
@@ -182,7 +182,7 @@ class Finder:
             elif rec["next_retry_at"]:
                 reason = f"attempt {rec['attempts']}, retried in " \
                          f"{max(0, rec['next_retry_at'] - self.now):.0f}s: {reason}"
-        return _row(kind, "set", rec["set"], rec["set"].split("/", 1)[0], reason,
+        return _row(kind, "set", rec["set"], layout.run_of(rec["set"]), reason,
                     state=rec["state"], attempts=rec["attempts"],
                     next_retry_at=rec["next_retry_at"], updated_at=rec["updated_at"])
 
@@ -212,7 +212,7 @@ class Finder:
         if not self.daemon_running:
             return  # a stopped daemon's running sets run again at its next start
         for rec in state_queries.running_since(self.conn, self.now - self.policy.job_bound_s):
-            run = rec["set"].split("/", 1)[0]
+            run = layout.run_of(rec["set"])
             if only_run in (None, run):
                 self._add(_row("stalled", "set", rec["set"], run,
                                f"running since {self.now - (rec['updated_at'] or 0):.0f}s, "

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from . import layout
 from .errors import ConfigError
 
 DEFAULT_CONFIG = Path("config.toml")
@@ -364,7 +365,7 @@ def _resolve_paths(config: Config, base: Path, source: Path | None,
 
     runs = resolve(config.paths.runs)
     if state is None and "state" not in config.paths.model_fields_set:
-        state_path = runs / ".skilltrain" / "state.sqlite3"
+        state_path = layout.default_state_path(runs)
     else:
         state_path = resolve(Path(state) if state is not None else config.paths.state)
     paths = PathsConfig(

@@ -23,6 +23,9 @@ SCRIPTS = "scripts"
 SUCCESS_MARKER = "_SUCCESS"
 LOSS_DIR = "loss"
 STATE_DIR = ".skilltrain"
+STATE_FILE = "state.sqlite3"  # in runs/.skilltrain/ unless [paths] state says elsewhere
+BATCHES_DIR = ".batches"  # in runs/<run>/loss/: the open provider batches' records
+CANCEL_BATCH = "CANCEL_BATCH"  # in runs/<run>/: `skilltrain batch cancel RUN`
 STEP_MARKERS = ".steps"  # in runs/<run>/loss/
 LOOP_RECORD = "loop.json"  # in runs/<run>/loss/.steps/
 RUN_TOML = "run.toml"  # in runs/<run>/: the works a run is scored on
@@ -94,6 +97,18 @@ class SetKey:
         object.__setattr__(self, "range_label", range_label)
         object.__setattr__(self, "id", f"{step_key.id}/{self.work}/{range_label}")
 
+    @classmethod
+    def parse(cls, set_id: str) -> SetKey | None:
+        """The SetKey of an id `run/epoch_EE/step_SS/work/FF-LL`; None for anything else."""
+        parts = set_id.split("/")
+        if len(parts) != 5:
+            return None
+        step = parse_step_id("/".join(parts[:3]))
+        first, _, last = parts[4].partition("-")
+        if step is None or not (first.isdigit() and last.isdigit()):
+            return None
+        return cls(parts[0], step[0], step[1], parts[3], int(first), int(last))
+
     def scripts_dir(self, runs: Path) -> Path:
         return Path(self.scripts_folder(runs))
 
@@ -113,6 +128,21 @@ class SetKey:
     def log_fields(self) -> dict[str, Any]:
         return {"run": self.run, "epoch": self.epoch, "step": self.step,
                 "work": self.work, "range": self.range_label}
+
+
+def run_of(some_id: str) -> str:
+    """The run a step id or a set id names (its first part)."""
+    return some_id.split("/", 1)[0]
+
+
+def step_of(set_id: str) -> str:
+    """The step id of a set id `run/epoch_EE/step_SS/work/FF-LL` (its first three parts)."""
+    return set_id.rsplit("/", 2)[0]
+
+
+def default_state_path(runs: Path) -> Path:
+    """Where the daemon's state lives unless [paths] state (or SKILLTRAIN_STATE) says."""
+    return runs / STATE_DIR / STATE_FILE
 
 
 def parse_step_id(step_id: str) -> tuple[int, int] | None:

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import layout
+
 SCHEMA_VERSION = 2
 # Version 2 keeps each set's step, state and updated_at in columns of their
 # own beside its JSON, indexed: status counts 100,000 sets per step and state
@@ -197,7 +199,7 @@ def _set_columns(key: str, value: Any) -> tuple[str, Any, Any]:
     """A set row's step (its id's first three parts), state and updated_at."""
     record = value if isinstance(value, dict) else {}
     updated_at = record.get("updated_at")
-    return (key.rsplit("/", 2)[0], record.get("state"),
+    return (layout.step_of(key), record.get("state"),
             updated_at if isinstance(updated_at, int | float) else None)
 
 

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from . import layout
+
 _SETS_BY_STEP = """
 SELECT step, state, count(*), max(updated_at) FROM sets GROUP BY step, state
 """
@@ -45,7 +47,7 @@ def step_counts(conn: sqlite3.Connection) -> list[StepCounts]:
     for step, state, n, last_at in conn.execute(_SETS_BY_STEP):
         row = steps.get(step)
         if row is None:
-            row = steps[step] = StepCounts(step, step.split("/", 1)[0], {}, None)
+            row = steps[step] = StepCounts(step, layout.run_of(step), {}, None)
         row.counts[str(state)] = n
         if state == "done" and isinstance(last_at, int | float):
             row.last_done_at = float(last_at)

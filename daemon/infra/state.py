@@ -22,14 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.layout import STATE_DIR
+from ..core.layout import STATE_DIR, default_state_path
 from ..core.state_db import StateDB, move_aside, read_only
 from ..guard import leakguard
 
 # The state file of daemons before the database: migrated once, then renamed.
 LEGACY_FILE = "state.json"
 LEGACY_VERSION = 1
-DEFAULT_FILE = "state.sqlite3"
 
 
 # A set's reason while [llm] budget_usd holds it back (held, or stale: a report
@@ -97,7 +96,7 @@ class StateStore:
 
     def __init__(self, runs: Path, path: Path | None = None) -> None:
         self.runs = runs
-        self.path = path or runs / STATE_DIR / DEFAULT_FILE
+        self.path = path or default_state_path(runs)
         self.sets: dict[str, SetRecord] = {}
         self.steps: dict[str, StepRecord] = {}
         self.spend: dict[str, RunSpend] = {}

@@ -1,20 +1,23 @@
-"""Batch mode: a step's ready sets go to the provider's batch API as one batch.
+"""The batch transport: a step's tickets go to the provider's batch API as one batch.
 
-    jobs (set wanted, run in batch mode) ──enqueue──> gathering (per step)
+    owner (a set of a run in batch mode) ──send(ticket)──> gathering (per step)
         │ step complete, or [llm] batch_gather_s passed
         v
     record "submitting" ──> upload + create (metadata skilltrain_key) ──> record "open"
         │ poll: batch_poll_s, x1.5 each time up to batch_poll_max_s; idle between
         v
-    completed / expired / cancelled / failed ──> each item back to jobs: the same
-    checks as a live reply (handlers/loss.finish), the same retries and barrier
+    completed / expired / cancelled / failed ──> each item's reply through the
+    pipeline (pipeline.py: the same checks as a live reply), its Decision to the owner
 
-Exactly once: the record (batch_store) is written before the provider hears
-of the batch and again with its id; a "submitting" record found at start is
-looked for at the provider by its key (list + metadata) and adopted, or,
-when the provider has no such batch, its sets are sent again. A set carried
-by an open record is never queued again; a result already written (its
-sidecar names the batch) is not written twice.
+Exactly once: every set here is claimed by the owner (owner.py) from the
+look that sent it until its Decision is applied, gathered, uploading or
+open alike; at a restart the records' sets are claimed before the first
+look (`start` returns them for `SetOwner.adopt`). The record (batch_store)
+is written before the provider hears of the batch and again with its id; a
+"submitting" record found at start is looked for at the provider by its key
+(list + metadata) and adopted, or, when the provider has no such batch, its
+sets are sent again. A result already written (its sidecar names the batch)
+is not written twice.
 
 Per run: `[llm] mode` in runs/<run>/run.toml overrides config.toml's.
 `runs/<run>/CANCEL_BATCH` (`skilltrain batch cancel RUN`) cancels the run's
@@ -28,23 +31,21 @@ import time
 import tomllib
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import config, dataset, layout
-from ..core.templates import PromptTemplates
+from ..core import config, layout
 from ..infra import log
 from ..infra.batch_api import FINAL, BatchAPI, BatchAPIError, BatchStatus, supported
 from ..infra.state import SetState, StateStore
 from . import batch_store
-from .batch_results import Results
+from .batch_results import Results, back
 from .batch_store import CANCELLING, OPEN, SUBMITTING, BatchItem, BatchRecord
+from .decision import Outcome, Ticket
 from .discovery import Discovery
-from .observe import Fingerprint
-from .revisit import Revisits
+from .jobs import Finish
+from .pipeline import Pipeline
 
-CANCEL_FILE = "CANCEL_BATCH"  # in runs/<run>/
 CONTROL_CHECK_S = 1.0  # how soon CANCEL_BATCH is seen while a batch is open or gathering
 POLL_GROWTH = 1.5
 Emit = Callable[..., None]
@@ -52,21 +53,21 @@ Emit = Callable[..., None]
 
 @dataclass
 class Waiting:
-    """A set gathered for its step's next batch."""
+    """A ticket gathered for its step's next batch, and the outcome its owner waits on."""
 
-    key: layout.SetKey
-    work: dataset.Work
-    fp: Fingerprint
-    attempts: int
+    ticket: Ticket
+    outcome: Outcome
 
 
 class Batcher:
     """Gathers, submits and polls batches in one thread; idle in between."""
 
+    QUEUED_REASON: str | None = "gathered for the next batch"
+
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
-                 stopping: threading.Event, templates: PromptTemplates,
-                 discovery: Discovery, run_result: Callable[..., Future[None]],
-                 revisits: Revisits,
+                 stopping: threading.Event, pipeline: Pipeline, discovery: Discovery,
+                 finish_paid: Callable[[Ticket, Finish], Outcome],
+                 wall_clock: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
@@ -75,13 +76,11 @@ class Batcher:
         self.log = log.get_logger("skilltrain.daemon")
         self.stopping = stopping
         self.discovery = discovery  # which sets a step is expected to have
-        self.revisits = revisits  # a set handed back to live jobs is looked at at once
         self.clock = clock
         self.api = BatchAPI(cfg.llm)
-        self.results = Results(cfg, state, emit, api=self.api, templates=templates,
-                               works=lambda: discovery.works,
-                               run_result=run_result, revisits=revisits,
-                               save=self._save, closed=self._closed)
+        self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
+                               finish_paid=finish_paid, save=self._save, closed=self._closed,
+                               clock=wall_clock)
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._gathering: dict[layout.StepKey, tuple[float, dict[str, Waiting]]] = {}
@@ -93,7 +92,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._unsupported: list[str | None] = []  # [why not], once asked (imports litellm)
 
-    # ------------------------------------------------------------- for jobs
+    # ------------------------------------------------------------- for the owner
     def wants(self, key: layout.SetKey) -> bool:
         """Is this set's run in batch mode (and not sent live once after a failure)?"""
         if self.mode(key.run) != "batch" or self.unsupported():
@@ -110,23 +109,14 @@ class Batcher:
                               reason=f"{self._unsupported[0]}; runs in batch mode stay live")
             return self._unsupported[0]
 
-    def carries(self, set_id: str) -> bool:
-        """Gathered, or in a batch whose result for it is not handled yet."""
+    def send(self, ticket: Ticket) -> Outcome:
+        """Gathered for its step's next batch; its Decision comes once its result is handled."""
+        outcome = Outcome()
         with self._lock:
-            if any(set_id in waiting for _, waiting in self._gathering.values()):
-                return True
-            return any(item.set_id == set_id and item.outcome is None and not item.dispatched
-                       for rec in self._records.values() for item in rec.items)
-
-    def enqueue(self, key: layout.SetKey, work: dataset.Work, fp: Fingerprint,
-                attempts: int) -> None:
-        with self._lock:
-            if self.carries(key.id):
-                return
-            since, waiting = self._gathering.setdefault(key.step_key, (self.clock(), {}))
-            waiting[key.id] = Waiting(key, work, fp, attempts)
-        self.state.update(key.id, SetState.QUEUED, reason="gathered for the next batch")
+            _, waiting = self._gathering.setdefault(ticket.key.step_key, (self.clock(), {}))
+            waiting[ticket.key.id] = Waiting(ticket, outcome)
         self._wake.set()
+        return outcome
 
     def mode(self, run: str) -> str:
         """`[llm] mode` of runs/<run>/run.toml, else config.toml's."""
@@ -155,23 +145,27 @@ class Batcher:
         return mode
 
     # ------------------------------------------------------------ life
-    def start(self) -> None:
-        """Read the records (before the first scan: their sets are not queued
-        again), then poll and submit in the background."""
+    def start(self) -> list[tuple[Ticket, Outcome, str]]:
+        """Read the records, then poll and submit in the background. Returns the
+        sets they carry, for the owner to claim before the first scan (so they
+        are not sent again): each one's ticket, outcome and where it is."""
         records, bad = batch_store.load_all(self.runs)
         for path in bad:
             self.emit("batch.unreadable", level="error", path=str(path))
+        carried = []
+        for rec in records:
+            carried += self.results.recover(rec, self.discovery.works)
         with self._lock:
             for rec in records:
+                if not rec.waiting():
+                    self._closed(rec)
+                    continue
                 self._records[rec.key] = rec
                 self._next_poll[rec.key] = self.clock()
                 self._interval[rec.key] = self.cfg.llm.batch_poll_s
-        for rec in records:
-            for item in rec.waiting():
-                self.state.update(item.set_id, SetState.QUEUED,
-                                  reason=f"in batch {rec.batch_id or rec.key}")
         self._thread = threading.Thread(target=self._run, name="batch", daemon=True)
         self._thread.start()
+        return carried
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._wake.set()
@@ -234,7 +228,8 @@ class Batcher:
         for step, waiting in taken:
             if self.stopping.is_set():
                 return
-            self.results.submit(step, list(waiting.values()), self._new_record)
+            self.results.submit(step, [(w.ticket, w.outcome) for w in waiting.values()],
+                                self._new_record)
         with self._lock:
             due = [rec for key, rec in self._records.items() if self._next_poll[key] <= now]
         for rec in due:
@@ -308,7 +303,7 @@ class Batcher:
             runs = {rec.run for rec in self._records.values()}
             runs |= {step.run for step in self._gathering}
         for run in sorted(runs):
-            path = self.runs / run / CANCEL_FILE
+            path = self.runs / run / layout.CANCEL_BATCH
             if path.exists():
                 self.cancel(run, live=_says_live(path))
                 path.unlink(missing_ok=True)
@@ -323,9 +318,8 @@ class Batcher:
                        if rec.run == run and rec.state == OPEN]
         for w in gathered:
             if live:
-                self.results.send_live(w.key.id)
-            self.state.update(w.key.id, SetState.QUEUED, reason="batch cancelled")
-            self.revisits.look(w.key)
+                self.results.send_live(w.ticket.key.id)
+            w.outcome.set_result(back(w.ticket.key, "batch cancelled"))
         for rec in records:
             rec.state, rec.return_live = CANCELLING, live
             self._save(rec)
@@ -353,6 +347,6 @@ def write_cancel_file(runs: Path, run: str, *, live: bool) -> Path:
     """`skilltrain batch cancel RUN`: the daemon cancels at its next look (a second)."""
     from ..core import atomic
 
-    path = runs / run / CANCEL_FILE
+    path = runs / run / layout.CANCEL_BATCH
     atomic.write_text(path, "live\n" if live else "")
     return path

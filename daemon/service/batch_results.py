@@ -1,13 +1,15 @@
-"""A batch's two ends: sending its sets, and handing each result back to jobs.
+"""A batch's two ends: sending its tickets, and turning each result into a Decision.
 
-Sending: each set is prepared exactly as a live job would be (inputs read
-and checked, prompt rendered); the record is saved before the upload. A
-set its preparation refuses goes to jobs with that refusal, like a live job.
+Sending: each set is prepared by the pipeline exactly as a live job is
+(inputs read and checked, prompt rendered); the record is saved before the
+upload. A set its preparation refuses is decided with that refusal, like a
+live job.
 
-Results: each item goes to jobs (a worker, the set claimed, the same
-except-clauses, retries and barrier as a live job) with a `finish` that
-prepares the set again -- equal input hashes give the same prompt -- and
-checks the reply through handlers/loss.finish. Inputs changed since the
+Results: each item runs as a paid job (jobs.finish_paid: the same
+except-clauses and outcomes as a live reply) with a `finish` that prepares
+the set again -- equal input hashes give the same prompt -- and checks the
+reply through the pipeline's finish; its Decision goes to the owner through
+the outcome the owner listens on. Inputs changed since the
 batch was sent: InputsChangedError, discarded and redone. An item the
 provider failed: LLMError with its guarded message, retried like a failed
 live call (in the next batch, or live with `[llm] batch_failed = "live"`).
@@ -24,51 +26,54 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...handlers import loss
 from ..core import backoff, config, dataset, layout
 from ..core.errors import InputsChangedError, LLMError
-from ..core.templates import PromptTemplates
 from ..infra import batch_api
 from ..infra.batch_api import BatchAPI, BatchAPIError, BatchStatus, ItemResult
-from ..infra.state import SetState, StateStore
+from ..infra.state import SetState
 from .batch_store import OPEN, BatchItem, BatchRecord
+from .decision import NOTHING, Decision, Outcome, Ticket
+from .jobs import Finish
 from .observe import Fingerprint
-from .revisit import Revisit, Revisits, Why
-
-if TYPE_CHECKING:
-    from .batch import Waiting
+from .pipeline import Pipeline
+from .revisit import Revisit, Why
 
 Emit = Callable[..., None]
 FINAL_EVENT = {"completed": "batch.completed", "expired": "batch.expired",
                "cancelled": "batch.cancelled", "failed": "batch.failed"}
 
 
-class Results:
-    """Submits prepared sets and dispatches what the provider answered."""
+def back(key: layout.SetKey, reason: str) -> Decision:
+    """A set a batch gives back unsent or unanswered: queued, and looked at now."""
+    return Decision.write(SetState.QUEUED, reason=reason, revisit=Revisit(key))
 
-    def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *, api: BatchAPI,
-                 templates: PromptTemplates, works: Callable[[], dict[str, dataset.Work]],
-                 run_result: Callable[..., Future[None]],
-                 revisits: Revisits,
+
+class Results:
+    """Submits prepared sets and decides what the provider answered."""
+
+    def __init__(self, cfg: config.Config, emit: Emit, *, api: BatchAPI, pipeline: Pipeline,
+                 finish_paid: Callable[[Ticket, Finish], Outcome],
                  save: Callable[[BatchRecord], None],
-                 closed: Callable[[BatchRecord], None]) -> None:
+                 closed: Callable[[BatchRecord], None],
+                 clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
-        self.state = state
         self.emit = emit
         self.api = api
-        self.templates = templates
-        self.works = works
-        self.run_result = run_result
-        self.revisits = revisits
+        self.pipeline = pipeline
+        self.finish_paid = finish_paid
         self.save = save
         self.closed = closed
+        self.clock = clock  # wall clock: submitted_at and a retry's time are kept
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
         self._create_errors: dict[str, str] = {}  # record key -> why its create failed
         self._refused: dict[str, int] = {}  # step id -> batches not accepted in a row
+        # set id -> the outcome its owner waits on, for each set a record carries
+        self._outcomes: dict[str, tuple[Ticket, Outcome]] = {}
 
     # ------------------------------------------------------------ live once
     def send_live(self, set_id: str) -> None:
@@ -82,28 +87,56 @@ class Results:
                 return True
             return False
 
-    # ------------------------------------------------------------ sending
-    def _prepare(self, key: layout.SetKey, work: dataset.Work, sigs: str | None) -> loss.Prepared:
-        job = loss.LossJob(work=work, scripts_dir=key.scripts_dir(self.runs),
-                           report_path=key.report_path(self.runs), first=key.first,
-                           last=key.last, stat_sigs=sigs)
-        return loss.prepare(job, settings=self.cfg.llm, templates=self.templates,
-                            confine_to=self.runs, answer_key=self.cfg.paths.data)
+    # ------------------------------------------------------------ the owner's outcomes
+    def _carry(self, ticket: Ticket, outcome: Outcome) -> None:
+        with self._lock:
+            self._outcomes[ticket.key.id] = (ticket, outcome)
 
-    def submit(self, step: layout.StepKey, waiting: list[Waiting],
+    def _ticket(self, set_id: str) -> Ticket | None:
+        with self._lock:
+            carried = self._outcomes.get(set_id)
+        return carried[0] if carried else None
+
+    def _decided(self, set_id: str, decision: Decision) -> None:
+        """The set's Decision to its owner: the batch is done with it."""
+        with self._lock:
+            carried = self._outcomes.pop(set_id, None)
+        if carried is not None:
+            carried[1].set_result(decision)
+
+    def recover(self, rec: BatchRecord,
+                works: dict[str, dataset.Work]) -> list[tuple[Ticket, Outcome, str]]:
+        """A record found at start: a ticket and an outcome for each set it still
+        carries (the owner claims them); an item whose set or work is gone is closed."""
+        found = []
+        for item in rec.waiting():
+            key = layout.SetKey.parse(item.set_id)
+            work = works.get(key.work) if key else None
+            fp = Fingerprint.from_json(item.fingerprint)
+            if key is None or work is None or fp is None:
+                item.outcome = "gone"
+                continue
+            ticket, outcome = Ticket(key, work, fp, item.attempts), Outcome()
+            self._carry(ticket, outcome)
+            found.append((ticket, outcome, f"in batch {rec.batch_id or rec.key}"))
+        return found
+
+    # ------------------------------------------------------------ sending
+    def submit(self, step: layout.StepKey, waiting: list[tuple[Ticket, Outcome]],
                new_record: Callable[[layout.StepKey, list[BatchItem]], BatchRecord]) -> None:
         model_name = batch_api.provider_of(self.cfg.llm)[0]
         items: list[BatchItem] = []
         lines: list[str] = []
-        for n, w in enumerate(waiting):
+        for n, (ticket, outcome) in enumerate(waiting):
+            self._carry(ticket, outcome)
             try:
-                prepared = self._prepare(w.key, w.work, w.fp.sigs)
+                prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
             except Exception as e:  # refused input, a template error: as a live job says it
-                self.run_result(w.key, w.work, w.fp, w.attempts, _raiser(e))
+                self._run(ticket, _raiser(e))
                 continue
             custom_id = f"s{n:04d}"
-            items.append(BatchItem(custom_id, w.key.id, prepared.hashes.as_dict(),
-                                   w.fp.as_json(), w.attempts))
+            items.append(BatchItem(custom_id, ticket.key.id, prepared.hashes.as_dict(),
+                                   ticket.fp.as_json(), ticket.attempts))
             lines.append(batch_api.request_line(custom_id, prepared.messages, self.cfg.llm,
                                                 model_name))
         if not items:
@@ -126,11 +159,13 @@ class Results:
         with self._lock:
             self._create_errors.pop(rec.key, None)
             self._refused.pop(rec.step, None)
+            outcomes = [self._outcomes.get(item.set_id) for item in rec.items]
         rec.batch_id, rec.state = batch_id, OPEN
-        rec.submitted_at = rec.submitted_at or time.time()
+        rec.submitted_at = rec.submitted_at or self.clock()
         self.save(rec)
-        for item in rec.items:
-            self.state.update(item.set_id, SetState.QUEUED, reason=f"in batch {batch_id}")
+        for carried in outcomes:
+            if carried is not None:
+                carried[1].note(SetState.QUEUED, f"in batch {batch_id}")
         epoch_step = layout.parse_step_id(rec.step) or (None, None)
         self.emit("batch.submitted", run=rec.run, epoch=epoch_step[0], step=epoch_step[1],
                   batch_id=batch_id, sets=len(rec.items), recovered=recovered)
@@ -153,7 +188,7 @@ class Results:
             error = self._create_errors.pop(rec.key, None)
         if error is None:  # saved by a daemon killed before its create: not a refusal
             for item in rec.items:
-                self._again(item.set_id)
+                self._give_back(item.set_id, "back from a batch")
             return
         with self._lock:
             refused = self._refused[rec.step] = self._refused.get(rec.step, 0) + 1
@@ -166,27 +201,27 @@ class Results:
         if gave_up:
             with self._lock:
                 self._refused.pop(rec.step, None)  # sets made anew start a fresh count
-        retry_at = None if gave_up else time.time() + backoff.loss_job(self.cfg).delay_s(refused)
+        retry_at = None if gave_up else self.clock() + backoff.loss_job(self.cfg).delay_s(refused)
         for item in rec.items:
-            key = set_key(item.set_id)
+            key = layout.SetKey.parse(item.set_id)
             if key is None:
                 continue
             if gave_up:
                 reason = f"gave up after {refused} batches the provider did not accept: {error}"
             else:
                 reason = f"the provider did not accept its batch ({error}); sent again soon"
-            self.state.update(item.set_id, SetState.FAILED, reason=reason,
-                              attempts=self.cfg.loss.max_attempts if gave_up else item.attempts,
-                              next_retry_at=retry_at, fingerprint=item.fingerprint)
-            if retry_at is not None:
-                self.revisits.ask(Revisit(key, retry_at, Why.RETRY))
+            self._decided(item.set_id, Decision.write(
+                SetState.FAILED, reason=reason,
+                attempts=self.cfg.loss.max_attempts if gave_up else item.attempts,
+                next_retry_at=retry_at, fingerprint=item.fingerprint,
+                revisit=None if retry_at is None else Revisit(key, retry_at, Why.RETRY)))
         if gave_up:  # said once its sets are recorded as failed
             self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
                       sets=len(rec.items), attempts=refused, error=error)
 
     # ------------------------------------------------------------ results
     def close(self, rec: BatchRecord, status: BatchStatus) -> bool:
-        """Hand every unhandled item to jobs; False when the results could not be read."""
+        """Run every unhandled item's result; False when the results could not be read."""
         try:
             lines = self.api.results(status.output_file_id) + self.api.results(status.error_file_id)
         except BatchAPIError as e:
@@ -208,55 +243,56 @@ class Results:
 
     def _dispatch(self, rec: BatchRecord, item: BatchItem, answer: ItemResult | None,
                   status: BatchStatus) -> str:
-        key = set_key(item.set_id)
-        work = self.works().get(key.work) if key else None
-        fp = Fingerprint.from_json(item.fingerprint)
-        if key is None or work is None or fp is None:
+        if item.dispatched:
+            return "replies"  # its paid job runs
+        ticket = self._ticket(item.set_id)
+        if ticket is None:
             item.outcome = "gone"
             return "unanswered"
+        key = ticket.key
         if self._written_before(rec, item, key):
             item.outcome = SetState.DONE.value  # a restart after the write: never twice
+            self._decided(item.set_id, Decision.look(Revisit(key)))
             return "written_before"
         if answer is None and status.status != "failed":
             item.outcome = "returned"  # expired or cancelled before it ran: sent again
             if rec.return_live:
                 self.send_live(item.set_id)
-            self._again(item.set_id)
+            self._give_back(item.set_id, "back from a batch")
             return "unanswered"
-        ran = threading.Event()
         if answer is not None and answer.body is not None:
-            finish = self._finish_reply(rec, item, key, work, answer.body, ran)
+            finish = self._finish_reply(rec, item, ticket, answer.body)
             kind = "replies"
         else:
-            finish = self._finish_error(item, key, work, answer, status, ran)
+            finish = self._finish_error(item, ticket, answer, status)
             kind = "errors"
         item.dispatched = True
-        future = self.run_result(key, work, fp, item.attempts, finish)
-        future.add_done_callback(lambda _: self._ended(rec, item, key, ran))
+        paid = self._run(ticket, finish)
+        paid.add_done_callback(lambda done: self._ended(rec, item, done))
         return kind
 
-    def _finish_reply(self, rec: BatchRecord, item: BatchItem, key: layout.SetKey,
-                      work: dataset.Work, body: dict[str, Any],
-                      ran: threading.Event) -> Callable[[], loss.LossResult]:
+    def _run(self, ticket: Ticket, finish: Finish) -> Outcome:
+        """A result (or a refusal) through the paid job; its Decision goes to the owner."""
+        paid = self.finish_paid(ticket, finish)
+        paid.add_done_callback(lambda done: None if done.cancelled()
+                               else self._decided(ticket.key.id, done.result()))
+        return paid
+
+    def _finish_reply(self, rec: BatchRecord, item: BatchItem, ticket: Ticket,
+                      body: dict[str, Any]) -> Finish:
         def finish() -> loss.LossResult:
-            ran.set()
-            prepared = self._same_inputs(item, key, work)
+            prepared = self._same_inputs(item, ticket)
             completion, note = batch_api.completion(body, self.cfg.llm.model)
             extra: dict[str, Any] = {"mode": "batch", "batch_id": rec.batch_id}
             if note:
                 extra["cost_note"] = note
-            integrity = self.cfg.integrity
-            return loss.finish(prepared, completion, on_leak=integrity.on_leak,
-                               on_contradiction=integrity.on_contradiction,
-                               refuse_share=integrity.refuse_share, sidecar_extra=extra)
+            return self.pipeline.finish(prepared, completion, extra)
         return finish
 
-    def _finish_error(self, item: BatchItem, key: layout.SetKey, work: dataset.Work,
-                      answer: ItemResult | None, status: BatchStatus,
-                      ran: threading.Event) -> Callable[[], loss.LossResult]:
+    def _finish_error(self, item: BatchItem, ticket: Ticket, answer: ItemResult | None,
+                      status: BatchStatus) -> Finish:
         def finish() -> loss.LossResult:
-            ran.set()
-            prepared = self._same_inputs(item, key, work)
+            prepared = self._same_inputs(item, ticket)
             if self.cfg.llm.batch_failed == "live":
                 self.send_live(item.set_id)
             if answer is None:
@@ -265,57 +301,38 @@ class Results:
                                                          self.cfg.llm.api_base))
         return finish
 
-    def _same_inputs(self, item: BatchItem, key: layout.SetKey,
-                     work: dataset.Work) -> loss.Prepared:
+    def _same_inputs(self, item: BatchItem, ticket: Ticket) -> loss.Prepared:
         """The set prepared again; its inputs must be the ones the batch was sent."""
-        fp = Fingerprint.from_json(item.fingerprint)
-        prepared = self._prepare(key, work, fp.sigs if fp else None)
+        prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
         if prepared.hashes.as_dict() != item.inputs:
             changed = [k for k, v in prepared.hashes.as_dict().items()
                        if item.inputs.get(k) != v]
-            raise InputsChangedError(f"{', '.join(changed)} of {key.id} changed since the "
-                                     "batch was sent; its reply is not written")
+            raise InputsChangedError(f"{', '.join(changed)} of {ticket.key.id} changed since "
+                                     "the batch was sent; its reply is not written")
         return prepared
 
-    def _ended(self, rec: BatchRecord, item: BatchItem, key: layout.SetKey,
-               ran: threading.Event) -> None:
-        """A worker handled (or skipped) one result: recorded, and the set looked at."""
-        rec_state = self.state.get(item.set_id)
-        if not ran.is_set() and rec_state is not None and rec_state.state == SetState.QUEUED:
+    def _ended(self, rec: BatchRecord, item: BatchItem, paid: Future[Decision]) -> None:
+        """A paid job handled one result: recorded in the batch's record."""
+        if paid.cancelled():
             item.dispatched = False  # shutting down before it ran: the next start handles it
             return
-        item.outcome = rec_state.state.value if rec_state and ran.is_set() else "skipped"
+        decision = paid.result()
+        item.outcome = decision.state.value if decision.state is not None else "skipped"
         self.save(rec)
         if not rec.waiting():
             self.closed(rec)
-        if item.outcome != SetState.DONE.value:
-            self.revisits.look(key)
 
     def _written_before(self, rec: BatchRecord, item: BatchItem, key: layout.SetKey) -> bool:
         sidecar = loss.read_sidecar(key.report_path(self.runs))
         return bool(sidecar and sidecar.get("batch_id") == rec.batch_id
                     and sidecar.get("inputs") == item.inputs)
 
-    def _again(self, set_id: str) -> None:
-        key = set_key(set_id)
-        if key is not None:
-            self.state.update(set_id, SetState.QUEUED, reason="back from a batch")
-            self.revisits.look(key)
+    def _give_back(self, set_id: str, reason: str) -> None:
+        key = layout.SetKey.parse(set_id)
+        self._decided(set_id, back(key, reason) if key is not None else NOTHING)
 
 
-def set_key(set_id: str) -> layout.SetKey | None:
-    """The SetKey of an id `run/epoch_EE/step_SS/work/FF-LL`."""
-    parts = set_id.split("/")
-    if len(parts) != 5:
-        return None
-    step = layout.parse_step_id("/".join(parts[:3]))
-    first, _, last = parts[4].partition("-")
-    if step is None or not (first.isdigit() and last.isdigit()):
-        return None
-    return layout.SetKey(parts[0], step[0], step[1], parts[3], int(first), int(last))
-
-
-def _raiser(error: BaseException) -> Callable[[], loss.LossResult]:
+def _raiser(error: BaseException) -> Finish:
     def finish() -> loss.LossResult:
         raise error
     return finish

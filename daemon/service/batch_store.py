@@ -23,7 +23,6 @@ from typing import Any
 
 from ..core import atomic, layout
 
-BATCHES_DIR = ".batches"  # in runs/<run>/loss/
 SCHEMA = 1
 SUBMITTING, OPEN, CANCELLING = "submitting", "open", "cancelling"
 
@@ -78,7 +77,7 @@ class BatchRecord:
 
 
 def batches_dir(runs: Path, run: str) -> Path:
-    return runs / run / layout.LOSS_DIR / BATCHES_DIR
+    return runs / run / layout.LOSS_DIR / layout.BATCHES_DIR
 
 
 def record_path(runs: Path, rec: BatchRecord) -> Path:

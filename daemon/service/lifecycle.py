@@ -52,10 +52,14 @@ from ..infra import llm, llm_loop, log
 from ..infra.state import SetState, StateStore
 from . import metrics_runs
 from .batch import Batcher
+from .budget import Budget
 from .discovery import Discovery
-from .jobs import Budget, Claims, Jobs
+from .jobs import Jobs
 from .loop import Loop
 from .metrics import Metrics
+from .outcomes import Outcomes
+from .owner import SetOwner
+from .pipeline import Pipeline
 from .reconcile import Reconciler
 from .revisit import Revisits
 from .settle import CLOCK_SKEW_TOLERANCE_S, SettleClock
@@ -79,8 +83,7 @@ class Daemon:
         self.runs = cfg.paths.runs
         self.once = once
         self.log = log.get_logger("skilltrain.daemon")
-        self._notify_warned = False
-        self.notifier = notify.Notifier.from_env(on_error=self._notify_failed)
+        self.notifier = notify.Notifier.from_env(on_error=_warn_once(self.emit))
         self.clock = time.time  # wall clock: retry times are kept in the state
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
         self.exit_code = ExitCode.OK
@@ -101,25 +104,34 @@ class Daemon:
         # Built bottom-up; the reconciler, built last, serves the revisits.
         self.discovery = Discovery(cfg, self.state, self.emit)
         settle = SettleClock(cfg.loss.settle_s, self.runs, self.discovery.ignore)
-        self.revisits = Revisits(self.scheduler, settle, stopping=self.stop_event, once=once)
-        self.budget = Budget(cfg.llm.budget_usd, self.state, self.emit)
+        self.revisits = Revisits(self.scheduler, settle, stopping=self.stop_event, once=once,
+                                 clock=self.clock)
+        self.budget = Budget(cfg.llm.budget_usd, self.state, self.emit, runs=self.runs)
         marker_changed = threading.Event()
         self.steps = Steps(cfg, self.state, self.emit, clock=self.clock,
                            discovery=self.discovery, marker_changed=marker_changed)
         self.loop = Loop(cfg, self.emit, stopping=self.stop_event, over_budget=self.budget.reached,
                          revisits=self.revisits, steps=self.steps, wake=marker_changed,
                          once=once, clock=self.clock)
-        self.jobs = Jobs(cfg, self.state, self.emit, clock=self.clock, stopping=self.stop_event,
-                         templates=self.templates, metrics=self.metrics,
-                         steps=self.steps, budget=self.budget, claims=Claims(),
-                         heartbeat=self.heartbeat, llm_loop=llm_loop.shared(),
-                         revisits=self.revisits)
+        # A set's way to a report, and its two transports: a live call, a provider batch.
+        self.outcomes = Outcomes(cfg, self.state, self.emit, clock=self.clock, steps=self.steps)
+        pipeline = Pipeline(cfg, self.templates, self.outcomes)
+        self.jobs = Jobs(cfg, self.state, self.emit, stopping=self.stop_event,
+                         metrics=self.metrics, pipeline=pipeline, budget=self.budget,
+                         llm_loop=llm_loop.shared())
+        self.batcher = Batcher(cfg, self.state, self.emit, stopping=self.stop_event,
+                               pipeline=pipeline, discovery=self.discovery,
+                               finish_paid=self.jobs.finish_paid, wall_clock=self.clock)
+        self.metrics.register(metrics_runs.BatchGauges(self.batcher.snapshot))
+        # The one owner of every set's life; the reconciler decides, it applies.
+        self.owner = SetOwner(self.state, self.emit, revisits=self.revisits, steps=self.steps,
+                              heartbeat=self.heartbeat, live=self.jobs, batch=self.batcher)
         self.reconcile = Reconciler(cfg, self.state, self.emit, clock=self.clock,
                                     stopping=self.stop_event, revisits=self.revisits,
-                                    settle=settle, discovery=self.discovery, jobs=self.jobs,
-                                    steps=self.steps, loop=self.loop, templates=self.templates,
-                                    heartbeat=self.heartbeat, scanned=self._scanned)
-        self.jobs.batch = self.batcher = _batcher(self)  # jobs hands it batch-mode sets
+                                    settle=settle, discovery=self.discovery, owner=self.owner,
+                                    budget=self.budget, steps=self.steps, loop=self.loop,
+                                    templates=self.templates, heartbeat=self.heartbeat,
+                                    scanned=self._scanned)
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.revisits.scan_soon)
         metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
@@ -127,17 +139,12 @@ class Daemon:
     @property
     def failures(self) -> int:
         """Sets failed, refused or unusable, optimizer runs failed: --once's exit code."""
-        return self.reconcile.failures + self.jobs.outcomes.failures + self.steps.failures
+        return self.reconcile.failures + self.outcomes.failures + self.steps.failures
 
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         getattr(self.log, level)(event, **fields)
         self.metrics.observe(event, fields)
-
-    def _notify_failed(self, field: str, error: BaseException) -> None:
-        if not self._notify_warned:
-            self._notify_warned = True  # once: a vanished socket would fail every tick
-            self.emit("notify.failed", level="warning", field=field, error=str(error))
 
     # --------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -169,7 +176,8 @@ class Daemon:
         if self.cfg.metrics.listen and not self.once:
             self.metrics.serve(self.cfg.metrics.listen)  # a bad address stops us here (exit 2)
         self.scheduler.start()
-        self.batcher.start()  # before the first scan: sets in open batches are not sent again
+        # Before the first scan: the sets open batches carry are claimed, not sent again.
+        self.owner.adopt(self.batcher.start())
         if self.once:
             self.reconcile.scan()
             self._ready()
@@ -315,20 +323,28 @@ class Daemon:
         for rounds in range(ONCE_SETTLE_ROUNDS + 1):
             self.batcher.wait_idle(self.jobs.wait_all, self.stop_event)  # and its batches
             self.steps.wait_optimizers()
-            rescan_at = self.revisits.once_rescan_at
+            rescan_at = self.revisits.take_once_rescan_at()
             if rescan_at == 0.0 or rounds == ONCE_SETTLE_ROUNDS:
                 break
-            self.revisits.once_rescan_at = 0.0
             # A settle window is never longer than settle_s from now.
             wait_s = min(rescan_at - time.time(),
                          self.cfg.loss.settle_s + CLOCK_SKEW_TOLERANCE_S)
             if self.stop_event.wait(max(0.0, wait_s) + 0.05):
                 break
             self.reconcile.scan()
+        if self.failures and self.exit_code == ExitCode.OK:
+            self.exit_code = ExitCode.FAILURE  # cron and scripts must see it
+
+    def abort_start(self) -> None:
+        """A start that failed: intake stopped, before the error is raised on."""
+        self.stop_event.set()
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown(wait=False)
+        self.watcher.stop()
 
     def shutdown(self, reason: str) -> None:
         """Stop intake, drain running jobs up to the bound, abandon the rest."""
-        jobs = self.jobs.claims.jobs()
+        jobs = self.jobs.futures()
         running = min(self.jobs.in_call, len(jobs))
         self.emit("daemon.stopping", reason=reason, running=running, queued=len(jobs) - running)
         self.notifier.stopping()
@@ -345,7 +361,7 @@ class Daemon:
         # 2. running jobs and the optimizer may finish (their writes are atomic)
         #    up to the bound; a cancelled optimizer is retried at the next start
         deadline = time.monotonic() + self.cfg.daemon.shutdown_timeout_s
-        futures = self.jobs.claims.jobs() + self.steps.optimizer_runs()
+        futures = self.jobs.futures() + self.steps.optimizer_runs()
         for future in futures:
             with contextlib.suppress(Exception):
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -357,7 +373,7 @@ class Daemon:
                 future.result(timeout=5)
         abandoned = sum(1 for f in futures if not f.done())
         self.jobs.cancel_running()  # their requests are cancelled: no call outlives the bound
-        self._close_state()
+        _close_state(self.state, self.emit, on_error=self._state_write_failed)
         counts = self.state.counts()
         self.emit("daemon.stopped", level="info" if self.exit_code == ExitCode.OK else "error",
                   exit_code=int(self.exit_code), done=counts.get("done", 0),
@@ -366,27 +382,31 @@ class Daemon:
         self._run_lock.release()
         self.abandoned = abandoned
 
-    def _close_state(self) -> None:
-        """Each run's spend said once more, the state written whole and closed."""
-        for run, spend in sorted(self.state.spend.items()):
-            self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
-                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6),
-                      tokens_cached=spend.tokens_cached,
-                      tokens_cache_write=spend.tokens_cache_write)
-        try:
-            self.state.flush(force=True, pid=None)
-        except OSError as e:
-            self._state_write_failed(e)
-        self.state.close()
 
 
-def _batcher(daemon: Daemon) -> Batcher:
-    """Batch mode's part, wired to the daemon's (jobs hands it sets, it hands back results)."""
-    batcher = Batcher(daemon.cfg, daemon.state, daemon.emit, stopping=daemon.stop_event,
-                      templates=daemon.templates, discovery=daemon.discovery,
-                      run_result=daemon.jobs.run_result, revisits=daemon.revisits)
-    daemon.metrics.register(metrics_runs.BatchGauges(batcher.snapshot))
-    return batcher
+def _warn_once(emit: Callable[..., None]) -> Callable[[str, BaseException], None]:
+    """notify.failed, said once: a vanished socket would fail every tick."""
+    said = threading.Event()
+
+    def warn(field: str, error: BaseException) -> None:
+        if not said.is_set():
+            said.set()
+            emit("notify.failed", level="warning", field=field, error=str(error))
+    return warn
+
+
+def _close_state(state: StateStore, emit: Callable[..., None], *,
+                 on_error: Callable[[OSError], None]) -> None:
+    """Each run's spend said once more, the state written whole and closed."""
+    for run, spend in sorted(state.spend.items()):
+        emit("cost.total", run=run, tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
+             cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
+             tokens_cache_write=spend.tokens_cache_write)
+    try:
+        state.flush(force=True, pid=None)
+    except OSError as e:
+        on_error(e)
+    state.close()
 
 
 def _status_line(state: StateStore) -> str:

@@ -1,4 +1,4 @@
-"""What a loss job came to: the state, one event, and when to look at the set again.
+"""What a loss job came to, as a Decision: the state, one event, when to look again.
 
     reply written  -> loss.completed, cost.total, DONE (the step may be reported)
     inputs changed -> loss.discarded, SETTLING (made anew once settled)
@@ -8,8 +8,8 @@
                       the provider's rate limit alone: loss.rate_limited, not counted
     shutdown       -> QUEUED (found again at the next start)
 
-Where a set is retried: here (when: core/backoff.py's policy), returned as a
-Revisit; revisit.py schedules the look, reconcile's evaluation runs it.
+Where a set is retried: here (when: core/backoff.py's policy), returned in
+the Decision that owner.py applies; revisit.py schedules the look.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from ..core.errors import (
     RefusedError,
 )
 from ..infra.state import SetState, StateStore
+from .decision import NOTHING, Decision
 from .observe import Fingerprint
 from .revisit import Revisit, Why
 from .steps import Steps
@@ -39,7 +40,8 @@ class Abandoned(Exception):
 
 
 class Outcomes:
-    """Records each job's outcome; counts the sets that will not complete by themselves."""
+    """Decides what each job's outcome means; counts the sets that will not complete
+    by themselves."""
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  clock: Callable[[], float], steps: Steps) -> None:
@@ -51,20 +53,18 @@ class Outcomes:
         self.failures = 0  # sets failed or refused (--once exit code)
 
     def record(self, key: layout.SetKey, fp: Fingerprint, attempts: int,
-                result: loss.LossResult | None, error: BaseException | None) -> Revisit | None:
-        """What the job came to: the state, one event; returns when to look again."""
+                result: loss.LossResult | None, error: BaseException | None) -> Decision:
+        """What the job came to: one event now, and the Decision to apply."""
         if error is None:
-            if result is not None:
-                self._completed(key, fp, result)
-            return None
+            return NOTHING if result is None else self._completed(key, fp, result)
         try:
             raise error
         except InputsChangedError as e:
             # Not a report of what is on disk now: nothing written, the step
             # not counted; the set settles again and is made anew.
             self.emit("loss.discarded", level="warning", reason=str(e))
-            self.state.update(key.id, SetState.SETTLING, reason=str(e))
-            return Revisit(key, self.clock() + self.cfg.loss.settle_s, Why.RESETTLE)
+            return Decision.write(SetState.SETTLING, reason=str(e), revisit=Revisit(
+                key, self.clock() + self.cfg.loss.settle_s, Why.RESETTLE))
         except ContradictedReportError as e:  # a BadOutputError: caught first
             # Whole but confidently wrong: bogus signal, retried like a failed call.
             return self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
@@ -74,8 +74,8 @@ class Outcomes:
         except RefusedError as e:
             self.failures += 1
             self.emit("loss.refused", level="warning", reason=str(e))
-            self.state.update(key.id, SetState.REFUSED, reason=str(e),
-                              refused_fingerprint=fp.as_json())
+            return Decision.write(SetState.REFUSED, reason=str(e),
+                                  refused_fingerprint=fp.as_json())
         except LLMError as e:
             if e.rate_limited:
                 return self._rate_limited(key, fp, attempts, str(e), e.retry_after_s)
@@ -88,10 +88,10 @@ class Outcomes:
             return self.fail(key, fp, attempts,
                              f"cannot write the report{where}: {e.strerror or type(e).__name__}")
         except Abandoned:
-            self.state.update(key.id, SetState.QUEUED, reason="abandoned at shutdown")
-        return None
+            return Decision.write(SetState.QUEUED, reason="abandoned at shutdown")
 
-    def _completed(self, key: layout.SetKey, fp: Fingerprint, result: loss.LossResult) -> None:
+    def _completed(self, key: layout.SetKey, fp: Fingerprint,
+                   result: loss.LossResult) -> Decision:
         c = result.completion
         spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
                                      c.cost_usd, tokens_cache_write=c.tokens_cache_write)
@@ -107,12 +107,12 @@ class Outcomes:
                   cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
                   tokens_cache_write=spend.tokens_cache_write)
         self.steps.reopen(key)
-        self.state.update(key.id, SetState.DONE, reason=None, attempts=0, next_retry_at=None,
-                          fingerprint=fp.as_json(), rate_limited=0)
+        return Decision.write(SetState.DONE, reason=None, attempts=0, next_retry_at=None,
+                              fingerprint=fp.as_json(), rate_limited=0)
 
     def fail(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
               retry_after_s: float | None = None, event: str = "loss.failed",
-              **details: Any) -> Revisit | None:
+              **details: Any) -> Decision:
         attempts += 1
         self.failures += 1
         gave_up = attempts >= self.cfg.loss.max_attempts
@@ -122,12 +122,13 @@ class Outcomes:
                   attempts=attempts,
                   next_retry_s=None if next_at is None else round(next_at - self.clock(), 1),
                   **details)
-        self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
-                          next_retry_at=next_at, fingerprint=fp.as_json(), rate_limited=0)
-        return None if next_at is None else Revisit(key, next_at, Why.RETRY)
+        return Decision.write(SetState.FAILED, reason=reason, attempts=attempts,
+                              next_retry_at=next_at, fingerprint=fp.as_json(), rate_limited=0,
+                              revisit=None if next_at is None else Revisit(key, next_at,
+                                                                           Why.RETRY))
 
     def _rate_limited(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
-                      retry_after_s: float | None) -> Revisit:
+                      retry_after_s: float | None) -> Decision:
         """The provider's rate limit, not the set, ended the call: tried again later,
         and not counted against [loss] max_attempts (nor the exit code); the wait
         grows with each such call in a row."""
@@ -137,7 +138,6 @@ class Outcomes:
         next_at = self.clock() + wait_s
         self.emit("loss.rate_limited", level="warning", reason=reason, attempts=attempts,
                   in_a_row=in_a_row, next_retry_s=round(wait_s, 1))
-        self.state.update(key.id, SetState.FAILED, reason=reason, attempts=attempts,
-                          next_retry_at=next_at, fingerprint=fp.as_json(),
-                          rate_limited=in_a_row)
-        return Revisit(key, next_at, Why.RETRY)
+        return Decision.write(SetState.FAILED, reason=reason, attempts=attempts,
+                              next_retry_at=next_at, fingerprint=fp.as_json(),
+                              rate_limited=in_a_row, revisit=Revisit(key, next_at, Why.RETRY))

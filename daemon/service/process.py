@@ -44,15 +44,10 @@ def main(config_path: Path | None, once: bool = False) -> int:
     except SkilltrainError as e:
         daemon.emit("daemon.failed", level="error", reason=str(e), exit_code=int(e.exit_code))
         e.logged = True
-        daemon.stop_event.set()
-        with contextlib.suppress(Exception):
-            daemon.scheduler.shutdown(wait=False)
-        daemon.watcher.stop()
+        daemon.abort_start()
         raise
     if once:
         daemon.run_once()
-        if daemon.failures and daemon.exit_code == ExitCode.OK:
-            daemon.exit_code = ExitCode.FAILURE  # cron and scripts must see it
         daemon.shutdown("once: idle")
     else:
         daemon.run_forever()

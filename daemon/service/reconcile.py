@@ -5,24 +5,24 @@
     startup scan ──────────┼─> evaluate(set) ──> its next look, if any (revisit.py)
     a look that falls due ─┘       │ complete? settled? up to date? failed/backoff? budget?
                                    v
-                         jobs.submit (jobs.py) ──> steps.check (steps.py)
+                         a Decision, applied by the owner (owner.py) ──> steps.check
 
 Events are hints; the filesystem is the truth. `evaluate` is level-triggered:
 it looks at the set on disk and decides from what it sees, so a lost event,
-a restart or a second event for the same file changes nothing. It returns
-when to look again (a settle wait, a retry's backoff, a look asked for while
-it ran); the caller hands that to `Revisits`, the one place looks are scheduled.
+a restart or a second event for the same file changes nothing. It writes
+nothing: it returns a Decision (the state, when to look again, a report to
+send) and the owner, which claimed the set for the look, applies it.
 
-The ways out of an evaluation, in order:
+The ways out of an evaluation, in order (a set claimed by another look or
+on its way to a report is not evaluated: the owner looks once more after):
     the loop's writer is writing the step      WAITING, looked at once it is written
-    the set is being looked at or worked on    nothing (looked at again when that ends)
     the range is incomplete or unusable        WAITING (set.unusable once, if stuck)
     the report is up to date                   DONE
     its files are still settling               SETTLING / STALE, looked at when settled
     the same input was refused                 nothing, until the input changes
     failed: gave up, or its backoff runs       nothing / looked at when the backoff ends
     over budget                                HELD / STALE
-    otherwise                                  a loss job (jobs.submit)
+    otherwise                                  send: a ticket for a transport
 """
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ from ..core.notify import Heartbeat
 from ..core.templates import PromptTemplates
 from ..infra import log
 from ..infra.state import SetState, StateStore
+from .budget import Budget
+from .decision import NOTHING, Decision, Ticket
 from .discovery import Discovery
-from .jobs import Jobs
 from .loop import Loop
 from .observe import Fingerprint, HumanDigests, Observation, observe, report_is_current
+from .owner import SetOwner
 from .revisit import Revisit, Revisits, Why
 from .settle import SettleClock, iso
 from .steps import Steps
@@ -54,12 +56,13 @@ ScanProgress = Callable[[int, int], None]  # (sets looked at, sets in the scan)
 
 
 class Reconciler:
-    """Scans, hints and the per-set decision; hands work to jobs and steps."""
+    """Scans, hints and the per-set decision; the owner applies it."""
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  clock: Callable[[], float], stopping: threading.Event,
-                 revisits: Revisits, settle: SettleClock, discovery: Discovery, jobs: Jobs,
-                 steps: Steps, loop: Loop, templates: PromptTemplates, heartbeat: Heartbeat,
+                 revisits: Revisits, settle: SettleClock, discovery: Discovery,
+                 owner: SetOwner, budget: Budget, steps: Steps, loop: Loop,
+                 templates: PromptTemplates, heartbeat: Heartbeat,
                  scanned: Callable[[set[Path]], None]) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
@@ -70,8 +73,8 @@ class Reconciler:
         self.stopping = stopping
         self.revisits = revisits
         self.discovery = discovery
-        self.jobs = jobs
-        self.claims = jobs.claims
+        self.owner = owner
+        self.budget = budget
         self.steps = steps
         self.loop = loop
         self.templates = templates
@@ -137,7 +140,7 @@ class Reconciler:
         seen = {key.id for keys in steps.values() for key in keys}
         with self.state.lock:
             for set_id in set(self.state.sets) - seen:
-                if not self.claims.has_job(set_id):
+                if not self.owner.held(set_id):
                     self.state.forget(set_id)  # its folder is gone
             for step_id in set(self.state.steps) - {step.id for step in steps}:
                 # Its folder is gone: a run made again under the same name is
@@ -149,7 +152,7 @@ class Reconciler:
         self.discovery.end_scan()
         counts = self.state.counts()
         by_state: dict[str, Any] = {s.value: counts.get(s.value, 0) for s in SetState}
-        self.state.note_daemon(scanned_at=time.time())
+        self.state.note_daemon(scanned_at=self.clock())
         self.emit("scan.completed", sets=len(seen),
                   duration_ms=int((time.monotonic() - t0) * 1000), **by_state)
         self.heartbeat.beat()
@@ -190,31 +193,20 @@ class Reconciler:
         self.steps.check(key.step_key)
 
     def look(self, key: layout.SetKey) -> None:
-        """Evaluate a set and hand its next look, if any, to the revisits."""
+        """Have the owner evaluate the set (unless it is claimed) and apply the decision."""
         try:
-            self.revisits.ask(self.evaluate(key))
+            self.owner.look(key, self.evaluate)
         except Exception:
             self.log.exception("set.error", **key.log_fields())
 
     # --------------------------------------------------------------- evaluate
-    def evaluate(self, key: layout.SetKey) -> Revisit | None:
-        """Look at one set and do the one right thing for it now; when to look again."""
+    def evaluate(self, key: layout.SetKey) -> Decision:
+        """Look at one set and decide the one right thing for it now."""
         if self.loop.writing(key.step_key):
             # Scored once the loop recorded its writer's end (it asks for a
             # scan then): a writer re-run after a crash must not leave a
             # report of the first run's episodes.
-            self.state.update(key.id, SetState.WAITING, reason="the loop's writer is running")
-            return None
-        if not self.claims.claim_look(key.id):
-            return None  # coalesced: looked at again when the job or look ends
-        try:
-            revisit = self._evaluate_claimed(key)
-        finally:
-            again = self.claims.end_look(key.id)
-        # Asked for while this look ran: once more now, which decides afresh.
-        return Revisit(key) if again else revisit
-
-    def _evaluate_claimed(self, key: layout.SetKey) -> Revisit | None:
+            return Decision.write(SetState.WAITING, reason="the loop's writer is running")
         obs = observe(key, self.runs, self.cfg.paths.data)
         rec = self.state.get(key.id)
         if not obs.complete:
@@ -225,34 +217,33 @@ class Reconciler:
         recorded = Fingerprint.from_json(rec.fingerprint) if rec and rec.fingerprint else None
         if human and report_is_current(key, self.runs, fp, recorded):
             if rec is None or rec.state != SetState.DONE or recorded != fp:
-                self.state.update(key.id, SetState.DONE, reason=None, attempts=0,
-                                  fingerprint=fp.as_json(), next_retry_at=None)
-            return None
+                return Decision.write(SetState.DONE, reason=None, attempts=0,
+                                      fingerprint=fp.as_json(), next_retry_at=None)
+            return NOTHING
 
         now = self.clock()
         ready_at = self.settle.ready_at(key, obs, now)
         report_exists = key.report_path(self.runs).exists()
         if ready_at > now:
-            self.state.update(key.id, SetState.STALE if report_exists else SetState.SETTLING,
-                              reason=f"settling until {iso(ready_at)}")
-            return Revisit(key, ready_at, Why.SETTLE)
+            return Decision.write(SetState.STALE if report_exists else SetState.SETTLING,
+                                  reason=f"settling until {iso(ready_at)}",
+                                  revisit=Revisit(key, ready_at, Why.SETTLE))
         if rec and rec.state == SetState.REFUSED and rec.refused_fingerprint == fp.as_json():
-            return None  # the same input was refused already; wait for it to change
+            return NOTHING  # the same input was refused already; wait for it to change
         if rec and rec.state == SetState.FAILED and rec.fingerprint == fp.as_json():
             if rec.attempts >= self.cfg.loss.max_attempts:
-                return None  # gave up; stays visible as failed until its input changes
+                return NOTHING  # gave up; stays visible as failed until its input changes
             if rec.next_retry_at and rec.next_retry_at > now:
-                return Revisit(key, rec.next_retry_at, Why.RETRY)
-        if self.jobs.hold_if_over_budget(key):
-            return None
+                return Decision.look(Revisit(key, rec.next_retry_at, Why.RETRY))
+        if (held := self.budget.hold(key)) is not None:
+            return held
         if report_exists:
             self._report_stale(key)
         attempts = rec.attempts if rec and rec.state == SetState.FAILED \
             and rec.fingerprint == fp.as_json() else 0
-        self.jobs.submit(key, work, fp, attempts)
-        return None
+        return Decision(send=Ticket(key, work, fp, attempts))
 
-    def _waiting(self, key: layout.SetKey, obs: Observation) -> Revisit | None:
+    def _waiting(self, key: layout.SetKey, obs: Observation) -> Decision:
         """An incomplete range: one event when it will not complete by itself."""
         problem = obs.problem or "incomplete"
         stuck = obs.unusable
@@ -269,8 +260,7 @@ class Reconciler:
         if stuck and self.discovery.ignore(key.scripts_dir(self.runs), problem,
                                            event="set.unusable"):
             self.failures += 1
-        self.state.update(key.id, SetState.WAITING, reason=problem)
-        return revisit
+        return Decision.write(SetState.WAITING, reason=problem, revisit=revisit)
 
     def _report_stale(self, key: layout.SetKey) -> None:
         after_optimizer = self.steps.optimized(key.step_key)

@@ -60,8 +60,10 @@ class Revisits:
     """
 
     def __init__(self, scheduler: BackgroundScheduler, settle: SettleClock, *,
-                 stopping: threading.Event, once: bool) -> None:
+                 stopping: threading.Event, once: bool,
+                 clock: Callable[[], float] = time.time) -> None:
         self.scheduler = scheduler
+        self.clock = clock  # wall clock: a Revisit's time is one
         self.settle = settle
         self.stopping = stopping
         self.once = once
@@ -75,6 +77,12 @@ class Revisits:
         """The reconciler, once built: what a look and a rescan run."""
         self._evaluate, self._scan = evaluate, scan
 
+    def take_once_rescan_at(self) -> float:
+        """--once: when the sets waiting to settle are ready (0.0: none), and forget it."""
+        with self._guard:
+            at_, self.once_rescan_at = self.once_rescan_at, 0.0
+            return at_
+
     def ask(self, *revisits: Revisit | None) -> None:
         for revisit in revisits:
             if revisit is not None:
@@ -82,13 +90,13 @@ class Revisits:
 
     def look(self, key: layout.SetKey, *, delay_s: float = 0.0) -> None:
         """Look at a set again, now or after a short delay (a debounce)."""
-        self._ask(Revisit(key, time.time() + delay_s if delay_s else None))
+        self._ask(Revisit(key, self.clock() + delay_s if delay_s else None))
 
     def scan_soon(self) -> None:
         """Look at every set again soon: a burst of asks makes one scan."""
         assert self._scan is not None, "Revisits.serve() first"
         self.scheduler.add_job(self._scan, "date", id="rescan", replace_existing=True,
-                               run_date=at(time.time() + RESCAN_DEBOUNCE_S))
+                               run_date=at(self.clock() + RESCAN_DEBOUNCE_S))
 
     def _ask(self, revisit: Revisit) -> None:
         key = revisit.key
@@ -96,12 +104,13 @@ class Revisits:
             self.settle.forget(key)
         if self.once:
             if revisit.why in (Why.SETTLE, Why.RESETTLE) and revisit.at is not None:
-                self.once_rescan_at = max(self.once_rescan_at, revisit.at)
+                with self._guard:
+                    self.once_rescan_at = max(self.once_rescan_at, revisit.at)
             return
         if self.stopping.is_set():
             return
         assert self._evaluate is not None, "Revisits.serve() first"
-        when = at(revisit.at if revisit.at is not None else time.time())
+        when = at(revisit.at if revisit.at is not None else self.clock())
         try:
             with self._guard:
                 pending = self.scheduler.get_job(key.id)

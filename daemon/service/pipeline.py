@@ -1,0 +1,64 @@
+"""A set's way to a report, whichever transport carries its request.
+
+    prepare (inputs read and checked, prompt rendered)
+      -> send (a live call: jobs.py; an item of a provider batch: batch.py)
+      -> finish (the reply checked, guarded, written: handlers/loss.finish)
+      -> decide (outcomes.py: the Decision the owner applies)
+
+Both transports call these and nothing else of handlers/loss: a batch's
+reply is checked, written and retried exactly like a live one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...handlers import loss
+from ..core import config, dataset, layout
+from ..core.errors import (
+    BadOutputError,
+    ConfigError,
+    InputsChangedError,
+    LLMError,
+    RefusedError,
+)
+from ..core.templates import PromptTemplates
+from ..infra import llm
+from .decision import Decision, Ticket
+from .outcomes import Abandoned, Outcomes
+
+# What a set's way to a report may end in, short of a bug: each has its outcome.
+EXPECTED = (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError, OSError,
+            Abandoned)
+
+
+class Pipeline:
+    """prepare, finish and decide: the steps every transport shares."""
+
+    def __init__(self, cfg: config.Config, templates: PromptTemplates,
+                 outcomes: Outcomes) -> None:
+        self.cfg = cfg
+        self.runs = cfg.paths.runs
+        self.templates = templates
+        self.outcomes = outcomes
+
+    def prepare(self, key: layout.SetKey, work: dataset.Work,
+                stat_sigs: str | None) -> loss.Prepared:
+        job = loss.LossJob(work=work, scripts_dir=key.scripts_dir(self.runs),
+                           report_path=key.report_path(self.runs), first=key.first,
+                           last=key.last, stat_sigs=stat_sigs)
+        return loss.prepare(job, settings=self.cfg.llm, templates=self.templates,
+                            confine_to=self.runs, answer_key=self.cfg.paths.data)
+
+    def finish(self, prepared: loss.Prepared, completion: llm.Completion,
+               sidecar_extra: dict[str, Any] | None = None) -> loss.LossResult:
+        integrity = self.cfg.integrity
+        return loss.finish(prepared, completion, on_leak=integrity.on_leak,
+                           on_contradiction=integrity.on_contradiction,
+                           refuse_share=integrity.refuse_share, sidecar_extra=sidecar_extra)
+
+    def decide(self, ticket: Ticket, result: loss.LossResult | None,
+               error: BaseException | None) -> Decision:
+        return self.outcomes.record(ticket.key, ticket.fp, ticket.attempts, result, error)
+
+    def internal_error(self, ticket: Ticket) -> Decision:
+        return self.outcomes.fail(ticket.key, ticket.fp, ticket.attempts, "internal error")
