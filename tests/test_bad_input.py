@@ -409,7 +409,13 @@ def test_run_folder_with_a_non_utf8_name_is_logged(
     s = SetId(run, 1, 1, "alpha", 1, 3)
     wait_until(lambda: ws.has_report(s), 15, message="the report")
     d.stop()  # drained: every line of the job is written (or lost) by now
-    assert ws.events("loss.completed"), "the loss.completed line was lost"
+    (done,) = ws.events("loss.completed")
+    # The name itself, as the byte 0xff that it holds, not a "?" or a lost field:
+    # the line is UTF-8 and says the byte as an escape that reads back as the name.
+    assert done["run"] == run and done["report"] == str(ws.report(s))
+    (raw,) = [ln for ln in ws.log_file.read_bytes().splitlines() if b'"loss.completed"' in ln]
+    assert b'"run": "r\\udcff"' in raw, raw
+    assert all(e["run"] == run for e in ws.events() if "run" in e)
 
 
 # ------------------------------------------------------------- a 50 MB episode
