@@ -75,11 +75,21 @@ def test_a_changed_episode_in_a_reported_step_is_found_by_the_resync(
         scheduler = d.daemon.scheduler
         wait_until(lambda: ws.has_report(first), 20, message="the first report")
         step1 = (ws.step_dir("r0", 1, 1), True)
+
+        def quiet_scan() -> bool:
+            """A whole scan run here, with the start's follow-up scan gone by: when
+            it returns, no scan runs (one asked for meanwhile is folded into it,
+            and its progress is called only by the scan that runs), and none is
+            due but the resync."""
+            if scheduler.get_job("rescan") is not None:
+                return False
+            ran: list[int] = []
+            d.daemon.reconcile.scan(progress=lambda seen, total: ran.append(total))
+            return bool(ran) and scheduler.get_job("rescan") is None \
+                and step1 not in watched(d)
+
         # A scan (as the resync would) once the set is done: the watches follow.
-        wait_until(lambda: d.daemon.reconcile.scan() or step1 not in watched(d), 10,
-                   message="the reported step's watch to go")
-        # The start's own follow-up scan has run: from here only the resync scans.
-        wait_until(lambda: scheduler.get_job("rescan") is None, 10, message="the start's rescan")
+        wait_until(quiet_scan, 10, message="the reported step's watch to go, no scan running")
         scans = len(ws.events("scan.completed"))
         (ws.scripts("r0", 1, 1, "a") / "ep01.txt").write_text(
             model_episode("r0", 1, 1, "a", 1, version=1), encoding="utf-8")
