@@ -174,6 +174,52 @@ def test_provider_errors_echoing_the_prompt_never_reach_log_or_state(
     assert_sealed(ws)
 
 
+def _shared_runs(text: str, phrase: str, n: int = 6) -> list[str]:
+    """The n-word runs of `phrase` that `text` holds, in any reading of `text`."""
+    words = textnorm.tokens(phrase)
+    runs = {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+    return sorted({" ".join(view.tokens[i : i + n]) for view in textnorm.readings(text)
+                   for i in range(len(view.tokens) - n + 1)
+                   if tuple(view.tokens[i : i + n]) in runs})
+
+
+def test_a_provider_error_echoing_the_prompt_is_withheld_not_only_sealed(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    """The withholding itself, not the log seal behind it: the provider echoes
+    the model's own episode (prompt words that are no part of the key, so no
+    seal would catch them), first on a 503 (retried) then on a 400 (final).
+    Two sets; the first request's set is retried. Those words are in no event,
+    no state row and nowhere in the log."""
+    echoes: list[str] = []
+
+    def echo(request: Request) -> Reply:
+        prompt = prompt_of(request)
+        mark = prompt.index("SETMARK ")
+        body = prompt[prompt.index("\n", mark):]  # the model's screenplay, after its mark
+        words = " ".join(body.split()[:30])
+        echoes.append(words)
+        status = 503 if len(echoes) == 1 else 400
+        return Reply.status(status, body={"error": {"message": f"Invalid request: {words}",
+                                                    "type": "invalid_request_error"}})
+
+    llm_server.default = echo
+    ws = key_workspace(tmp_path, llm_server)
+    run_once_in_process(ws)
+
+    # Two sets, one retried: three echoes, none of them the key (no seal applies).
+    assert len(echoes) == 3 and not any(human_runs(echoed) for echoed in echoes)
+    failed, retried = ws.events("loss.failed"), ws.events("loss.retry")
+    assert len(failed) == 2 and len(retried) == 1
+    for echoed in echoes:
+        for e in ws.events():
+            assert _shared_runs(json.dumps(e, ensure_ascii=False), echoed) == [], e
+        for row in ws.state()["sets"].values():
+            assert _shared_runs(row["reason"] or "", echoed) == [], row
+        assert _shared_runs(ws.log_file.read_text(encoding="utf-8"), echoed) == []
+    # The provider's message is dropped whole, its own first words too.
+    assert not any("Invalid request" in json.dumps(e) for e in failed + retried)
+
+
 def test_library_log_records_carrying_the_prompt_are_redacted(
         tmp_path: Path, llm_server: LLMServer) -> None:
     # Class 5: a library logs the prompt (here from inside the request, as

@@ -284,6 +284,49 @@ def test_offsets_with_unicode_curly_quotes_and_line_breaks() -> None:
     )
 
 
+# One human line (11 words, ep 1) dressed so that, read as it stands, no 8
+# words of it are in a row: only the guard's own normalisation finds it.
+QUOTE = "The money in the biscuit tin was never yours to spend"
+_WORDS = QUOTE.split()
+HTML_DRESSED = {
+    "named entities": "&nbsp;".join(_WORDS),
+    "double-encoded": "&amp;nbsp;".join(_WORDS),
+    "numeric entities": " ".join(f"{w[0]}&#{ord(w[1])};{w[2:]}" if len(w) > 1 else w
+                                 for w in _WORDS).replace(" ", "&#x20;"),
+}
+ZERO_WIDTH_DRESSED = {
+    "zero-width space": " ".join(w[:1] + "\u200b" + w[1:] for w in _WORDS),
+    "soft hyphen": " ".join(w[:2] + "\u00ad" + w[2:] for w in _WORDS),
+    "word joiner and BOM": " ".join(w[:1] + "\u2060" + w[1:-1] + "\ufeff" + w[-1:]
+                                    for w in _WORDS),
+}
+
+
+@pytest.mark.parametrize("dressed", list(HTML_DRESSED.values()), ids=list(HTML_DRESSED))
+def test_a_quote_in_html_entities_is_found_and_cut_whole(index: HumanIndex,
+                                                         dressed: str) -> None:
+    report = f"Martha's line lands: {dressed}. The model's does not.\n"
+    (leak,) = find_leaks(report, index)
+    assert (leak.episode, leak.n_words) == (1, len(_WORDS))
+    # The span maps back to the original characters, entities and all.
+    assert _span(report, leak) == dressed
+    assert redact(report, [leak]) == (
+        f"Martha's line lands: {REDACTION_MARKER}. The model's does not.\n")
+
+
+@pytest.mark.parametrize("dressed", list(ZERO_WIDTH_DRESSED.values()),
+                         ids=list(ZERO_WIDTH_DRESSED))
+def test_a_quote_with_zero_width_characters_inside_its_words_is_found_and_cut_whole(
+        index: HumanIndex, dressed: str) -> None:
+    report = f"Martha's line lands: {dressed}. The model's does not.\n"
+    (leak,) = find_leaks(report, index)
+    assert (leak.episode, leak.n_words) == (1, len(_WORDS))
+    assert _span(report, leak) == dressed
+    redacted = redact(report, [leak])
+    assert redacted == f"Martha's line lands: {REDACTION_MARKER}. The model's does not.\n"
+    assert find_leaks(redacted, index) == []
+
+
 def test_redact_multiple_and_no_leaks() -> None:
     text = "0123456789abcdefghij"
     leaks = [

@@ -343,3 +343,41 @@ def test_prometheus_gets_each_endpoints_limit_in_flight_and_rate_limited_replies
     assert f"skilltrain_llm_concurrency_limit{{{label}}} 2.0" in text
     assert f"skilltrain_llm_calls_in_flight{{{label}}} 1.0" in text
     assert f"skilltrain_llm_rate_limited_responses_total{{{label}}} 1.0" in text
+
+
+def test_a_call_waiting_out_a_backoff_leaves_its_slot_to_another_call() -> None:
+    """A limit of 1: call A meets a 429 (Retry-After: 1) and retries within its
+    call. While A waits, call B must reach the provider and finish: a wait
+    between attempts holds no slot. The wait is the policy's `sleep` hook, so
+    the test waits for B there and asserts exactly that, with no timing race."""
+    lim = Limiter("loopback", fixed=1)
+    b_words = [{"role": "user", "content": "Call B: a second comparison. " * 20}]
+    order: list[str] = []
+    with LLMServer() as server:
+        server.script(Reply.status(429, retry_after=1), Reply.ok("B's reply"),
+                      Reply.ok("A's reply"))
+        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout_s=10.0,
+                             max_retries=1, backoff_initial_s=0.05, backoff_max_s=2.0)
+
+        async def call_b() -> str:
+            done = await llm.acomplete(b_words, settings, slot=Slot(lim))
+            order.append("B done")
+            return done.text
+
+        async def a_waits(seconds: float) -> None:
+            assert seconds >= 1.0  # the provider's Retry-After is honoured
+            order.append("A waits")
+            # Under a limiter that kept A's slot, B would queue behind A forever.
+            order.append(await asyncio.wait_for(call_b(), timeout=10.0))
+
+        async def call_a() -> str:
+            done = await llm.acomplete(MESSAGES, settings, slot=Slot(lim), sleep=a_waits)
+            return done.text
+
+        assert llm_loop.shared().run(call_a()) == "A's reply"
+        bodies = [r.body for r in server.requests]
+    assert order == ["A waits", "B done", "B's reply"]
+    # On the provider's side too: B's request came between A's two attempts.
+    who = ["B" if body and "Call B" in str(body["messages"]) else "A" for body in bodies]
+    assert who == ["A", "B", "A"]
+    assert lim.in_flight == 0

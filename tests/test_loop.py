@@ -362,6 +362,34 @@ def test_a_writer_cut_short_by_a_stop_is_not_a_failure_and_runs_again_at_the_nex
     assert catalogue_problems(ws.events()) == []
 
 
+def test_a_restart_while_scoring_scores_on_and_never_runs_the_writer_again(
+    tmp_path: Path
+) -> None:
+    """Deterministic, no kill order: the first daemon stops while the step's
+    loss job hangs (its writer recorded finished, the run recorded scoring);
+    the second scores it and finishes the run with that writer's episodes."""
+    with LLMServer() as server:
+        server.script(Reply.hang(30))  # the step's loss job: in flight at the stop
+        ws = loop_workspace(tmp_path, server.url, steps_per_epoch=1, max_epochs=1,
+                            shutdown_timeout_s=0.3)
+        start_run(ws)
+        with InProcessDaemon(ws):
+            wait_until(lambda: ws.events("loss.started", run=RUN), FINISH_TIMEOUT_S,
+                       message="loss.started")
+        [row] = loop_status(ws)
+        assert (row["phase"], row["epoch"], row["step"]) == ("scoring", 0, 0)
+        assert ws.events("loss.completed") == []
+        first = len(ws.events())
+        with InProcessDaemon(ws):
+            end = finished(ws)
+
+    assert end["reason"] == "max_epochs"
+    again = ws.events()[first:]
+    assert [e for e in again if e["event"].startswith("writer.")] == []
+    assert journal(ws, "writer", "start") == [(0, 0)]
+    assert [(e["epoch"], e["step"]) for e in again if e["event"] == "loss.completed"] == [(0, 0)]
+
+
 def test_a_run_deleted_and_started_again_under_its_name_runs_afresh(
     tmp_path: Path, llm_server: LLMServer
 ) -> None:

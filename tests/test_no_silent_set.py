@@ -139,8 +139,18 @@ def build_tree(ws: Workspace) -> None:
     write_model(ws, "good", [1, 2, 3], run="tmp")
     os.rename(ws.runs / "tmp" / "epoch_01", ws.runs / R / "epoch_1")
     (ws.runs / "tmp").rmdir()
-    shutil.copytree(ws.runs / GOOD_RUN, ws.outside / "linked-run")
-    (ws.runs / "linkedrun").symlink_to(ws.outside / "linked-run")
+    # The linked run holds a good, finished set of its own, whose episodes
+    # name it (SETMARK linkedrun): followed, it would be sent and reported.
+    linked = ws.outside / "linked-run"
+    linked_scripts = linked / ws.scripts("linkedrun", 1, 1, "good").relative_to(
+        ws.runs / "linkedrun")
+    linked_scripts.mkdir(parents=True)
+    for ep in (1, 2, 3):
+        (linked_scripts / f"ep{ep:02d}.txt").write_text(
+            model_episode("linkedrun", 1, 1, "good", ep), encoding="utf-8")
+    mark_success(linked_scripts)
+    (linked / "run.toml").write_text('works = ["good"]\n')
+    (ws.runs / "linkedrun").symlink_to(linked)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +243,13 @@ def test_run_folder_symlinked_out_of_runs_is_named(tree: Tree) -> None:
     (line,) = events_about(tree, "set.unusable", "linkedrun")
     assert line["path"] == str(tree.ws.runs / "linkedrun")
     assert "symlink out of runs/" in line["reason"]
-    assert not any("linked-run" in body for body in tree.requests)
+    # Its finished set is never sent, scored or reported.
+    assert tree.requests and not any("SETMARK linkedrun " in body for body in tree.requests)
+    about_it = [e for e in tree.events if e.get("run") == "linkedrun"
+                or "linkedrun/" in json.dumps(e)]
+    assert about_it == [], about_it
+    assert not [s for s in tree.status["sets"] if s["set"].startswith("linkedrun/")]
+    assert not (tree.ws.outside / "linked-run" / "loss").exists()
 
 
 def test_folders_that_hold_no_visible_set_show_in_status(tree: Tree) -> None:

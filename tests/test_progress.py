@@ -96,6 +96,70 @@ def test_a_statistic_one_side_lacks_counts_its_full_share() -> None:
     assert d.value < 1
 
 
+# docs/craft-distance.md, "The statistics and their shares", as written there:
+# (statistic, floor, weight). The spec, not the code's table: a SHARES that
+# agrees with itself but not with this (all shares equal, every weight 1.0)
+# must fail.
+DOCUMENTED = [
+    ("scene_words_mean", 10, 1.0),
+    ("dialogue_share", 0.05, 1.0),
+    ("speech_words_mean", 3, 1.0),
+    ("scenes_per_episode", 1, 1.0),
+    ("words_per_episode", 100, 1.0),
+    ("parentheticals_per_100_speeches", 2, 0.9),
+    ("question_share", 0.05, 0.9),
+    ("action_block_words_mean", 3, 0.9),
+    ("scene_words_cv", 0.1, 0.8),
+    ("speaking_characters", 1, 0.8),
+    ("top_speaker_share", 0.05, 0.8),
+    ("longest_speech_words", 10, 0.7),
+    ("exclamations_per_1k_words", 1, 0.6),
+    ("transitions_per_episode", 1, 0.5),
+]
+DOCUMENTED_TOTAL = 11.9  # the sum of the documented weights
+
+
+def _human_stats() -> craft_measuring.ScreenplayStats:
+    """Measured human episodes, with a value for every statistic (none left out)."""
+    stats = craft_measuring.measure([craft_parsing.parse_screenplay(t) for t in HUMAN.values()])
+    missing = {key: 5.0 for key, _, _ in DOCUMENTED if getattr(stats, key) is None}
+    return dataclasses.replace(stats, **missing)
+
+
+def test_the_documented_statistics_are_the_measured_ones() -> None:
+    assert sum(w for _, _, w in DOCUMENTED) == pytest.approx(DOCUMENTED_TOTAL)
+    d = craft_distance.between(_human_stats(), _human_stats())
+    assert sorted(d.parts) == sorted(key for key, _, _ in DOCUMENTED)
+
+
+@pytest.mark.parametrize(("key", "floor", "weight"), DOCUMENTED)
+def test_each_statistic_weighs_its_documented_share(key: str, floor: float,
+                                                    weight: float) -> None:
+    human = _human_stats()
+    # Only this statistic missing on the model's side: its part is its full share.
+    lacking = dataclasses.replace(human, **{key: None})
+    d = craft_distance.between(human, lacking)
+    assert d.value == pytest.approx(weight / DOCUMENTED_TOTAL, rel=1e-9)
+    assert d.parts[key] == pytest.approx(weight / DOCUMENTED_TOTAL, rel=1e-9)
+    # Off by a factor of 2 counted with its documented floor: half its share.
+    h = getattr(human, key)
+    assert h is not None
+    doubled = dataclasses.replace(human, **{key: 2 * (h + floor) - floor})
+    assert craft_distance.between(human, doubled).value == pytest.approx(
+        weight / DOCUMENTED_TOTAL / 2, rel=1e-9)
+
+
+def test_transitions_weigh_half_what_scene_length_weighs() -> None:
+    human = _human_stats()
+    transitions = craft_distance.between(
+        human, dataclasses.replace(human, transitions_per_episode=None)).value
+    scenes = craft_distance.between(
+        human, dataclasses.replace(human, scene_words_mean=None)).value
+    assert transitions == pytest.approx(0.5 / 11.9)
+    assert scenes == pytest.approx(1 / 11.9)
+    assert transitions / scenes == pytest.approx(0.5)
+
+
 # ---------------------------------------------------------------- end to end
 
 

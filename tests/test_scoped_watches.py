@@ -8,6 +8,7 @@ real daemon, the real watchdog observer and the loopback server.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tests.daemon_helpers import (
@@ -66,18 +67,41 @@ def test_only_open_places_are_watched_and_a_new_run_and_step_are_picked_up(
 def test_a_changed_episode_in_a_reported_step_is_found_by_the_resync(
     tmp_path: Path, llm_server: LLMServer
 ) -> None:
-    ws = reported_workspace(tmp_path, llm_server.url, resync_s=3)
+    """Unwatched means no event: the change waits, untouched, for the resync.
+    The resync is set far out and fired by hand, so nothing else can find it."""
+    ws = reported_workspace(tmp_path, llm_server.url, resync_s=600)
     (first,) = ws.sets_of_step("r0", 1, 1)
     with InProcessDaemon(ws) as d:
+        scheduler = d.daemon.scheduler
         wait_until(lambda: ws.has_report(first), 20, message="the first report")
-        wait_until(lambda: (ws.step_dir("r0", 1, 1), True) not in watched(d), 10,
-                   message="the reported step's watch to go")
+        step1 = (ws.step_dir("r0", 1, 1), True)
+
+        def quiet_scan() -> bool:
+            """A whole scan run here, with the start's follow-up scan gone by: when
+            it returns, no scan runs (one asked for meanwhile is folded into it,
+            and its progress is called only by the scan that runs), and none is
+            due but the resync."""
+            if scheduler.get_job("rescan") is not None:
+                return False
+            ran: list[int] = []
+            d.daemon.reconcile.scan(progress=lambda seen, total: ran.append(total))
+            return bool(ran) and scheduler.get_job("rescan") is None \
+                and step1 not in watched(d)
+
+        # A scan (as the resync would) once the set is done: the watches follow.
+        wait_until(quiet_scan, 10, message="the reported step's watch to go, no scan running")
         scans = len(ws.events("scan.completed"))
         (ws.scripts("r0", 1, 1, "a") / "ep01.txt").write_text(
             model_episode("r0", 1, 1, "a", 1, version=1), encoding="utf-8")
+        # A watch would have the set looked at within the settle window (0.2 s).
+        time.sleep(1.5)
+        assert ws.events("set.stale") == [], "the reported step is still watched"
+        assert len(ws.events("scan.completed")) == scans
         t0 = time.monotonic()
+        scheduler.get_job("resync").modify(next_run_time=datetime.now(UTC))
         wait_until(lambda: len(ws.events("loss.completed", run="r0", step=1)) == 2, 20,
                    message="the report made again")
-        # Not an event (the step is not watched): a resync scan found it.
+        (stale,) = ws.events("set.stale")
+        assert stale["work"] == "a" and stale["step"] == 1
         assert len(ws.events("scan.completed")) > scans
-        print(f"re-reported {time.monotonic() - t0:.1f} s after the change (resync 3 s)")
+        print(f"re-reported {time.monotonic() - t0:.1f} s after the resync fired")

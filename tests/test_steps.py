@@ -19,7 +19,7 @@ from skilltrain.daemon.core import config, layout
 from skilltrain.daemon.infra.state import SetState, StateStore
 from skilltrain.daemon.service.discovery import Discovery
 from skilltrain.daemon.service.steps import Steps
-from tests.daemon_helpers import build_workspace
+from tests.daemon_helpers import build_workspace, wait_until
 
 STEP = layout.StepKey("r1", 1, 1)
 BACKOFF_S = 50.0
@@ -198,3 +198,49 @@ def test_an_optimizer_program_gone_since_the_start_is_a_failed_attempt(tmp_path:
     (failed,) = bench.said("optimizer.failed")
     assert "cannot start" in failed["reason"] and failed["will_retry"]
     assert bench.marker()["optimizer_exit_code"] is None and not bench.marker()["optimizer_done"]
+
+
+# Like OPTIMIZER, but holds on until the file `release` exists: a run in flight.
+HELD_OPTIMIZER = "\n".join([
+    "import pathlib, sys, time",
+    "d = pathlib.Path(sys.argv[1])",
+    "d.joinpath('calls.txt').open('a').write(' '.join(sys.argv[2:]) + '\\n')",
+    "while not d.joinpath('release').exists():",
+    "    time.sleep(0.01)",
+    "sys.exit(int(d.joinpath('exit_code.txt').read_text()))",
+])
+
+
+def test_a_claimed_optimizer_run_is_neither_started_again_nor_counted_failed_while_it_runs(
+        tmp_path: Path) -> None:
+    """The pending claim, held directly: while a step's optimizer runs, more
+    barrier checks start no second run, and its last attempt running is not
+    an exhausted step (the loop would stall a run whose optimizer may succeed)."""
+    release = tmp_path / "release"
+    bench = Bench(tmp_path, command=[sys.executable, "-c", HELD_OPTIMIZER, str(tmp_path),
+                                     "{run}", "{epoch}", "{step}"])
+    try:
+        bench.exit_code(3)
+        bench.done()
+        bench.steps.check(STEP)  # attempt 1 of 2, claimed
+        wait_until(lambda: bench.calls() == ["r1 01 01"], 10, message="attempt 1 running")
+        for _ in range(3):  # the barrier looks again, as every job finishing makes it
+            bench.steps.check(STEP)
+        assert bench.steps.optimizer_exhausted(STEP) is None
+        release.touch()
+        bench.steps.wait_optimizers()
+        assert len(bench.calls()) == 1 and len(bench.said("optimizer.started")) == 1
+        assert bench.steps.optimizer_exhausted(STEP) is None  # one attempt of two used
+
+        release.unlink()
+        bench.now += BACKOFF_S
+        bench.steps.check(STEP)  # attempt 2 of 2: the last, claimed
+        wait_until(lambda: len(bench.calls()) == 2, 10, message="attempt 2 running")
+        assert bench.steps.optimizer_exhausted(STEP) is None  # used up, but still running
+        release.touch()
+        bench.steps.wait_optimizers()
+        assert bench.steps.optimizer_exhausted(STEP) == 2
+        assert len(bench.calls()) == 2 and len(bench.said("optimizer.started")) == 2
+    finally:
+        release.touch()  # a failed assertion leaves no optimizer waiting
+        bench.steps.wait_optimizers()
