@@ -412,5 +412,19 @@ def test_main_writes_logrotate_rules_for_the_configured_log(
 def test_dev_shm_is_private_and_ipc_is_not_shared_with_the_host(tmp_path: Path) -> None:
     # PrivateDevices= alone binds the host's writable /dev/shm into the unit.
     unit = render(tmp_path)
-    assert setting(unit, "TemporaryFileSystem") == ["/dev/shm:nosuid,nodev,noexec"]
+    (value,) = setting(unit, "TemporaryFileSystem")
+    path, _, options = value.partition(":")
+    assert path == "/dev/shm"
+    assert {"nosuid", "nodev", "noexec"} <= set(options.split(","))
     assert setting(unit, "PrivateIPC") == ["yes"]
+
+
+def test_the_private_dev_shm_is_usable_by_the_service_user(tmp_path: Path) -> None:
+    # A tmpfs is root's 0755 unless told otherwise: shm_open, and with it
+    # multiprocessing.Lock/Queue, would fail with EACCES for User=.
+    unit = render(tmp_path)
+    (value,) = setting(unit, "TemporaryFileSystem")
+    options = dict(o.partition("=")[::2] for o in value.partition(":")[2].split(","))
+    mode = int(options.get("mode", "755"), 8)
+    assert mode & 0o777 == 0o777, oct(mode)  # any user of the service creates segments
+    assert mode & stat.S_ISVTX, oct(mode)  # and deletes only its own
