@@ -108,6 +108,9 @@ class OptimizerConfig(_Section):
     max_attempts: int = Field(3, ge=1)
     # Unset: [loss] retry_backoff_s, as before this key existed.
     retry_backoff_s: float | None = Field(None, ge=0)
+    # The command submits a job that runs on after the daemon dies (sbatch --wait):
+    # a restarted daemon waits for it instead of submitting again (handlers/detached.py).
+    outlives_daemon: bool = False
 
 
 class WriterConfig(_Section):
@@ -116,6 +119,7 @@ class WriterConfig(_Section):
     timeout_s: float = Field(7200.0, gt=0)
     max_attempts: int = Field(3, ge=1)
     retry_backoff_s: float = Field(30.0, ge=0)
+    outlives_daemon: bool = False  # as [optimizer] outlives_daemon
 
 
 class LoopConfig(_Section):
