@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from skilltrain.daemon.core import layout
+from skilltrain.daemon.service.curve import read_step_marker
 from skilltrain.handlers import detached
 from tests.daemon_helpers import REPO, DaemonProcess, Workspace, build_workspace, wait_until
 from tests.llm_server import LLMServer
@@ -145,5 +146,7 @@ def test_a_restarted_daemon_waits_for_the_job_the_one_before_submitted(
     [finished] = [e for e in later if e["event"] == f"{stage}.finished"]
     assert finished["exit_code"] == 0
     assert not handle.exists()
+    # One attempt of the optimizer, however many daemons saw it.
+    assert read_step_marker(ws.runs, layout.StepKey(RUN, 0, 0))["optimizer_attempts"] == 1
     assert [p.name for p in handle.parent.glob("*.done")] == []
     assert catalogue_problems(ws.events()) == []  # docs/events.md says what was logged
