@@ -29,6 +29,9 @@ class OptimizerResult:
     exit_code: int | None  # None: timed out and killed, or could not start
     duration_ms: int
     reason: str | None = None
+    # handlers/detached.py: the daemon stopped while the job runs elsewhere (not a failure)
+    detached: bool = False
+    reattached: bool = False  # the job was submitted by an earlier daemon process
 
 
 def render_argv(command: Sequence[str], values: Mapping[str, str], *,
@@ -71,7 +74,8 @@ def _check_program(command: Sequence[str], section: str) -> None:
 
 def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = None,
         cancel: threading.Event | None = None,
-        output_event: str = "optimizer.output") -> OptimizerResult:
+        output_event: str = "optimizer.output",
+        extra_env: Mapping[str, str] | None = None) -> OptimizerResult:
     """Run the command to completion, its timeout, or `cancel` (the daemon stopping).
 
     It runs in a session of its own, so a timeout or a cancel kills its
@@ -81,7 +85,8 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = 
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, text=True, errors="replace",
-                                start_new_session=True, env=child_environment())
+                                start_new_session=True,
+                                env={**child_environment(), **(extra_env or {})})
     except OSError as e:
         return OptimizerResult(None, _ms(t0), f"cannot start {argv[0]!r}: {e.strerror}")
     assert proc.stdout is not None and proc.stderr is not None

@@ -15,6 +15,9 @@ The daemon may run the writer of a step twice: when it is killed while the
 writer runs (or after the writer exited, before the daemon recorded it), the
 restarted daemon runs it again. A writer must be safe to re-run: write each
 file atomically (temp file, rename) and produce the step's files again.
+With `[writer] outlives_daemon = true` (a writer submitted to a cluster,
+docs/scale-out.md) the restarted daemon instead waits for the job the
+killed one submitted, through the done marker the job writes.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..daemon.core import layout
-from . import optimizer
+from . import detached, optimizer
 from .optimizer import Emit, OptimizerResult
 
 SECTION = "writer"
@@ -59,9 +62,18 @@ def check_command(command: list[str]) -> None:
 
 
 def run(command: list[str], job: WriterJob, runs: Path, *, timeout_s: float, emit: Emit,
-        attempt: int, cancel: threading.Event) -> OptimizerResult:
-    """Run the writer once; `writer.started` and `writer.output` are logged here."""
+        attempt: int, cancel: threading.Event, outlives_daemon: bool = False) -> OptimizerResult:
+    """Run the writer once; `writer.started` and `writer.output` are logged here.
+
+    outlives_daemon: the command's job runs on when the daemon dies; a job an
+    earlier daemon submitted is waited for, never submitted again
+    (handlers/detached.py).
+    """
     argv = optimizer.render_argv(command, job.values(runs), section=SECTION)
+    if outlives_daemon:
+        return detached.run(argv, handle=detached.handle_path(runs, job.step, SECTION),
+                            stage=SECTION, timeout_s=timeout_s, emit=emit, cancel=cancel,
+                            started=lambda: emit("writer.started", argv=argv, attempt=attempt))
     emit("writer.started", argv=argv, attempt=attempt)
     return optimizer.run(argv, timeout_s=timeout_s, emit=emit, cancel=cancel,
                          output_event="writer.output")

@@ -101,6 +101,9 @@ def test_ready_comes_before_a_long_scan_which_feeds_the_watchdog_and_says_how_fa
     progress = [m.decode() for _, m in during if b"STATUS=catching up" in m]
     assert progress, [m for _, m in notes]
     assert any(f"of {STEPS} sets" in p and f"{STEPS} of {STEPS}" not in p for p in progress)
+    # Caught up when start() returns: systemctl status says so at once, not a tick later.
+    statuses = [m.decode() for _, m in notes if m.startswith(b"STATUS=")]
+    assert "catching up" not in statuses[-1], statuses[-3:]
 
     ready = ws.events("daemon.ready")[-1]  # the first was the --once run's that made the tree
     (caught_up,) = ws.events("daemon.caught_up")

@@ -163,8 +163,8 @@ def run_lines(text: str) -> dict[str, list[str]]:
 def test_default_view_is_short_and_caps_what_needs_attention_with_a_count(many: Tree) -> None:
     text = many.status()
     lines = text.splitlines()
-    # daemon + header + a line per run + blank + title + the cap + the "more" line
-    assert len(lines) <= 1 + 1 + RUNS + 2 + ATTENTION_SHOWN + 1, text
+    # daemon + instance + header + a line per run + blank + title + the cap + the "more" line
+    assert len(lines) <= 1 + 1 + 1 + RUNS + 2 + ATTENTION_SHOWN + 1, text
     named = attention_named(text)
     assert len(named) == ATTENTION_SHOWN
     assert all(many.attention[name] == kind for kind, name in named)

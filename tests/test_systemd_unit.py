@@ -412,5 +412,87 @@ def test_main_writes_logrotate_rules_for_the_configured_log(
 def test_dev_shm_is_private_and_ipc_is_not_shared_with_the_host(tmp_path: Path) -> None:
     # PrivateDevices= alone binds the host's writable /dev/shm into the unit.
     unit = render(tmp_path)
-    assert setting(unit, "TemporaryFileSystem") == ["/dev/shm:nosuid,nodev,noexec"]
+    (value,) = setting(unit, "TemporaryFileSystem")
+    path, _, options = value.partition(":")
+    assert path == "/dev/shm"
+    assert {"nosuid", "nodev", "noexec"} <= set(options.split(","))
     assert setting(unit, "PrivateIPC") == ["yes"]
+
+
+def test_the_private_dev_shm_is_usable_by_the_service_user(tmp_path: Path) -> None:
+    # A tmpfs is root's 0755 unless told otherwise: shm_open, and with it
+    # multiprocessing.Lock/Queue, would fail with EACCES for User=.
+    unit = render(tmp_path)
+    (value,) = setting(unit, "TemporaryFileSystem")
+    options = dict(o.partition("=")[::2] for o in value.partition(":")[2].split(","))
+    mode = int(options.get("mode", "755"), 8)
+    assert mode & 0o777 == 0o777, oct(mode)  # any user of the service creates segments
+    assert mode & stat.S_ISVTX, oct(mode)  # and deletes only its own
+
+
+# --- several trainings on one host ------------------------------------------------------------
+
+
+def install_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ws: Path, *args: str
+) -> tuple[Path, Path]:
+    """install-service with its default paths moved under tmp_path: (unit dir, logrotate dir)."""
+    from skilltrain.daemon.commands import service_unit
+
+    units, rotate = tmp_path / "etc" / "systemd" / "system", tmp_path / "etc" / "logrotate.d"
+    monkeypatch.setattr(service_unit, "SYSTEM_UNIT_DIR", units)
+    monkeypatch.setattr(service_unit, "LOGROTATE_DIR", rotate)
+    venv = tmp_path / "venv" if (tmp_path / "venv").is_dir() else make_venv(tmp_path)
+    code = main(["--workspace", str(ws), "--venv", str(venv), "--user", "skilltrain",
+                 "--group", "skilltrain", "--logrotate", *args])
+    assert code == ExitCode.OK
+    return units, rotate
+
+
+def test_two_instances_get_their_own_unit_state_and_logrotate_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = make_workspace(tmp_path, "a", config='[daemon]\ninstance = "gpu0"\n')
+    b = make_workspace(tmp_path, "b", config="")
+    units, rotate = install_instance(tmp_path, monkeypatch, a)  # named by its config.toml
+    install_instance(tmp_path, monkeypatch, b, "--name", "gpu1")  # named on the command line
+    printed = capsys.readouterr()
+
+    assert sorted(p.name for p in units.iterdir()) == [
+        "skilltrain-gpu0.service", "skilltrain-gpu1.service"]
+    assert sorted(p.name for p in rotate.iterdir()) == ["skilltrain-gpu0", "skilltrain-gpu1"]
+    for name, ws in (("gpu0", a), ("gpu1", b)):
+        unit = (units / f"skilltrain-{name}.service").read_text()
+        assert setting(unit, "StateDirectory") == [f"skilltrain-{name}"]
+        assert setting(unit, "Environment")[-1] == (
+            f"SKILLTRAIN_STATE=%S/skilltrain-{name}/state.sqlite3")
+        assert f"--config \"{ws}/config.toml\"" in setting(unit, "ExecStart")[0]
+        assert f'"{ws}/runs/skilltrain.jsonl" {{' in (rotate / f"skilltrain-{name}").read_text()
+        assert f"systemctl enable --now skilltrain-{name}" in printed.out
+        assert f"SKILLTRAIN_STATE=/var/lib/skilltrain-{name}/state.sqlite3 skilltrain status" \
+            in printed.out
+    # --name without [daemon] instance: status and tail could not say it.
+    assert 'add `instance = "gpu1"` under [daemon]' in printed.err
+
+
+def test_a_name_that_disagrees_with_the_config_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = make_workspace(tmp_path, config='[daemon]\ninstance = "gpu0"\n')
+    with pytest.raises(ConfigError, match="use one name"):
+        install_instance(tmp_path, monkeypatch, ws, "--name", "gpu1")
+    with pytest.raises(ConfigError, match="--name 'a b'"):
+        install_instance(tmp_path, monkeypatch, ws, "--name", "a b")
+    assert not (tmp_path / "etc").exists()
+
+
+@needs_analyze
+def test_an_instance_unit_verifies_and_scores_at_most_2(tmp_path: Path) -> None:
+    unit_file = tmp_path / "skilltrain-gpu0.service"
+    unit_file.write_text(render(tmp_path, instance="gpu0"))
+    done = verify(unit_file)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+    report = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--threshold=20", str(unit_file)],
+        capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stdout + report.stderr

@@ -135,6 +135,9 @@ def _tail(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
     if cfg.log.file is None:
         raise SkilltrainError("[log] file is not set: there is no JSON log to tail")
+    # On stderr: stdout stays the events, for grep and pipes.
+    print(f"skilltrain tail: {config.describe_instance(cfg)}, log {cfg.log.file}",
+          file=sys.stderr)
     return tail.main(cfg.log.file, follow=args.follow, run=args.run, event=args.event)
 
 

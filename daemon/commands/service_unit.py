@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from ..core import config
 from ..core.errors import ConfigError, ExitCode, SkilltrainError
 from .unit_render import ENV_FILE, render_logrotate, render_unit
 from .unit_workspace import (
@@ -24,8 +25,10 @@ from .unit_workspace import (
     workspace_owner,
 )
 
-SYSTEM_UNIT_PATH = Path("/etc/systemd/system/skilltrain.service")
-LOGROTATE_PATH = Path("/etc/logrotate.d/skilltrain")
+SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
+SYSTEM_UNIT_PATH = SYSTEM_UNIT_DIR / "skilltrain.service"
+LOGROTATE_DIR = Path("/etc/logrotate.d")
+LOGROTATE_PATH = LOGROTATE_DIR / "skilltrain"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="DIR",
         help="virtualenv with bin/skilltrain (default: the one running this)",
+    )
+    p.add_argument(
+        "--name",
+        metavar="NAME",
+        help="instance name, for several trainings on one host: the unit becomes "
+        "skilltrain-NAME.service, its state /var/lib/skilltrain-NAME, its logrotate file "
+        "skilltrain-NAME (default: [daemon] instance of config.toml; none: skilltrain)",
     )
     p.add_argument("--user", metavar="U", help="service user (default: owner of the workspace)")
     p.add_argument("--group", metavar="G", help="service group (default: the user's own)")
@@ -70,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"also write logrotate rules for the JSON log (e.g. {LOGROTATE_PATH})",
     )
     p.add_argument(
+        "--logrotate",
+        action="store_true",
+        help=f"also write them to {LOGROTATE_DIR}/ under the unit's name",
+    )
+    p.add_argument(
         "--enable", action="store_true", help="then run systemctl daemon-reload and enable --now"
     )
     return p
@@ -92,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             "skilltrain is installed in"
         )
     settings = WorkspaceSettings.read(workspace)
+    instance = _instance(args.name, settings)
+    unit_name = config.unit_name(instance)
     user = None if args.user_unit else (args.user or workspace_owner(workspace))
     unit = render_unit(
         workspace=workspace,
@@ -103,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=settings.data,
         prompts_dir=settings.prompts,
         extra_write_dirs=settings.extra_write_dirs(),
+        instance=instance,
     )
     warn_about_host(user, settings)
     # With --print, stdout is the unit alone, so `--print > file` works.
@@ -111,24 +129,42 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(unit)
         target = None
     else:
-        target = args.output or _default_output(args.user_unit)
+        target = args.output or _default_output(args.user_unit, unit_name)
         _write(target, unit, report)
-    if args.logrotate_output:
-        _write_logrotate(args.logrotate_output, settings.log_file, user, args.group, report)
-    name = target.stem if target is not None and target.suffix == ".service" else "skilltrain"
+    if args.logrotate and args.logrotate_output:
+        raise ConfigError("--logrotate writes to /etc/logrotate.d/: drop --logrotate-output")
+    if args.logrotate_output or args.logrotate:
+        rules_path = args.logrotate_output or LOGROTATE_DIR / unit_name
+        _write_logrotate(rules_path, settings.log_file, user, args.group, report)
+    name = target.stem if target is not None and target.suffix == ".service" else unit_name
     if args.enable:
         code = _enable(name, user_unit=args.user_unit)
         if code != ExitCode.OK:
             return code
-    _print_next_steps(name, workspace, user_unit=args.user_unit, enabled=args.enable, stream=report)
+    _print_next_steps(name, workspace, user_unit=args.user_unit, enabled=args.enable,
+                      state=_state_path(unit_name, args.user_unit), stream=report)
     return int(ExitCode.OK)
 
 
-def _default_output(user_unit: bool) -> Path:
+def _instance(name: str | None, settings: WorkspaceSettings) -> str | None:
+    """--name, or [daemon] instance; they must agree, so status and tail name the unit."""
+    if name is not None and not config.INSTANCE_NAME.fullmatch(name):
+        raise ConfigError(f"--name {name!r}: 1-64 letters, digits, '.', '_', '-', "
+                          "starting with a letter or digit")
+    if name is not None and settings.instance is not None and name != settings.instance:
+        raise ConfigError(f"--name {name} but config.toml has [daemon] instance = "
+                          f"{settings.instance!r}: use one name")
+    if name is not None and settings.instance is None:
+        print(f"warning: add `instance = \"{name}\"` under [daemon] in config.toml, so "
+              "`skilltrain status` and `tail` say which instance they read", file=sys.stderr)
+    return name or settings.instance
+
+
+def _default_output(user_unit: bool, unit_name: str = "skilltrain") -> Path:
     if not user_unit:
-        return SYSTEM_UNIT_PATH
+        return SYSTEM_UNIT_DIR / f"{unit_name}.service"
     config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(config_home) / "systemd" / "user" / "skilltrain.service"
+    return Path(config_home) / "systemd" / "user" / f"{unit_name}.service"
 
 
 def _write_logrotate(
@@ -175,8 +211,16 @@ def _enable(name: str, *, user_unit: bool) -> int:
     return int(ExitCode.OK)
 
 
+def _state_path(unit_name: str, user_unit: bool) -> Path:
+    """Where the unit's StateDirectory= puts the state (%S: /var/lib, ~/.local/state)."""
+    if not user_unit:
+        return Path("/var/lib") / unit_name / "state.sqlite3"
+    state_home = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(state_home) / unit_name / "state.sqlite3"
+
+
 def _print_next_steps(
-    name: str, workspace: Path, *, user_unit: bool, enabled: bool, stream: TextIO
+    name: str, workspace: Path, *, user_unit: bool, enabled: bool, state: Path, stream: TextIO
 ) -> None:
     systemctl = " ".join(_systemctl(user_unit))
     journal = "journalctl --user" if user_unit else "journalctl"
@@ -185,6 +229,8 @@ def _print_next_steps(
     steps += [
         f"{journal} -u {name} -f",
         f"skilltrain tail --follow --config {workspace / 'config.toml'}",
+        # The service's state is in its StateDirectory=, not under runs/.
+        f"SKILLTRAIN_STATE={state} skilltrain status --config {workspace / 'config.toml'}",
     ]
     print(f"API keys (e.g. OPENAI_API_KEY=...) go in {env_file}, mode 0600.", file=stream)
     print("Next steps:\n" + "".join(f"  {s}\n" for s in steps), end="", file=stream)

@@ -255,6 +255,11 @@ def main(config_path: Path | None, as_json: bool, *, run: str | None = None,
     full = as_json or show_all
     data = collect(cfg.paths.runs, cfg.paths.state, run=run, policy=Policy.of(cfg),
                    attention_limit=None if full else ATTENTION_SHOWN, all_sets=as_json)
+    data["instance"] = {"name": cfg.daemon.instance,
+                        "unit": f"{config.unit_name(cfg.daemon.instance)}.service",
+                        "config": None if cfg.source is None else str(cfg.source),
+                        "state": str(cfg.paths.state),
+                        "describe": config.describe_instance(cfg)}
     if run is not None and not data["runs"]:
         print(f"skilltrain: no run {run!r} in {cfg.paths.runs} (neither in the state nor "
               "with a loop record)", file=sys.stderr)

@@ -27,6 +27,8 @@ def render(data: dict[str, Any], out: TextIO, *, run: str | None = None,
            show_all: bool = False) -> None:
     now = data["generated_at"]
     lines = [daemon_line(data, now)]
+    if instance := data.get("instance"):  # which training on this host, and which state
+        lines.append(f"{instance['describe']}; state {instance['state']}")
     if data["daemon"].get("state_unreadable"):
         lines.append(f"state not used: {tame(data['daemon']['state_unreadable'])}")
     if not data["runs"]:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from ..core import config
 from ..core.errors import ConfigError, ExitCode
 
 # The templates sit beside the package in the repository (editable install).
@@ -61,9 +62,12 @@ def render_unit(
     prompts_dir: Path | None = None,
     extra_write_dirs: Sequence[Path] = (),
     template: Path = UNIT_TEMPLATE,
+    instance: str | None = None,
 ) -> str:
     """The unit text for a workspace. ``user=None`` renders a per-user unit
     (``systemctl --user``): no User=/Group=, WantedBy=default.target.
+    ``instance`` ([daemon] instance) names the unit's state directory
+    (skilltrain-NAME) so several trainings share a host.
 
     ``runs_dir`` (default workspace/runs) and ``extra_write_dirs`` are the
     only writable paths; ``data_dir``/``prompts_dir`` default to the
@@ -85,7 +89,12 @@ def render_unit(
                 "directory (and a log file) inside it"
             )
     read_only = [data_dir or workspace / "data", prompts_dir or workspace / "prompts"]
+    if instance is not None and not config.INSTANCE_NAME.fullmatch(instance):
+        raise ConfigError(f"instance name {instance!r}: letters, digits, '.', '_', '-'")
     values = {
+        "UNIT": config.unit_name(instance),
+        "WORKSPACE_DESCRIPTION": (f"instance {instance}, " if instance else "")
+        + _unit_path(workspace, "workspace"),
         "WORKSPACE": _unit_path(workspace, "workspace"),
         "VENV": _unit_path(venv, "venv"),
         "USER": "" if user is None else _account(user, "user"),

@@ -27,6 +27,7 @@ class WorkspaceSettings:
     prompts: Path
     log_file: Path | None
     shutdown_timeout_s: float
+    instance: str | None = None  # [daemon] instance
 
     @classmethod
     def read(cls, workspace: Path) -> WorkspaceSettings:
@@ -45,6 +46,7 @@ class WorkspaceSettings:
             prompts=inside(cfg.paths.prompts),
             log_file=None if cfg.log.file is None else inside(cfg.log.file),
             shutdown_timeout_s=cfg.daemon.shutdown_timeout_s,
+            instance=cfg.daemon.instance,
         )
 
     def extra_write_dirs(self) -> list[Path]:

@@ -109,6 +109,9 @@ class OptimizerConfig(_Section):
     max_attempts: int = Field(3, ge=1)
     # Unset: [loss] retry_backoff_s, as before this key existed.
     retry_backoff_s: float | None = Field(None, ge=0)
+    # The command submits a job that runs on after the daemon dies (sbatch --wait):
+    # a restarted daemon waits for it instead of submitting again (handlers/detached.py).
+    outlives_daemon: bool = False
 
 
 class WriterConfig(_Section):
@@ -117,6 +120,7 @@ class WriterConfig(_Section):
     timeout_s: float = Field(7200.0, gt=0)
     max_attempts: int = Field(3, ge=1)
     retry_backoff_s: float = Field(30.0, ge=0)
+    outlives_daemon: bool = False  # as [optimizer] outlives_daemon
 
 
 class LoopConfig(_Section):
@@ -140,8 +144,36 @@ class IntegrityConfig(_Section):
     refuse_share: float = Field(0.5, ge=0, le=1)
 
 
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 class DaemonConfig(_Section):
     shutdown_timeout_s: float = Field(60.0, ge=0)
+    # Several trainings on one host: the name of this workspace's service
+    # (unit skilltrain-NAME.service, its state dir and logrotate file);
+    # `install-service` takes it from here, `status` and `tail` say it.
+    instance: str | None = None
+
+    @field_validator("instance")
+    @classmethod
+    def _instance_name(cls, value: str | None) -> str | None:
+        if value is not None and not INSTANCE_NAME.fullmatch(value):
+            raise ValueError("an instance name is 1-64 letters, digits, '.', '_', '-', "
+                             "starting with a letter or digit")
+        return value
+
+
+def unit_name(instance: str | None) -> str:
+    """The systemd unit (without .service) that runs this instance."""
+    return "skilltrain" if instance is None else f"skilltrain-{instance}"
+
+
+def describe_instance(cfg: Config) -> str:
+    """Which training `status` and `tail` read: "instance gpu0 (skilltrain-gpu0.service,
+    /srv/a/config.toml)"."""
+    name = cfg.daemon.instance or "(unnamed)"
+    source = cfg.source if cfg.source is not None else "no config file: the defaults"
+    return f"instance {name} ({unit_name(cfg.daemon.instance)}.service, {source})"
 
 
 class MetricsConfig(_Section):

@@ -192,6 +192,7 @@ class Daemon:
         if self.stop_event.is_set():
             return  # stopped while catching up: the next start goes on from the state
         self.catching_up = False
+        self.notifier.status(_status_line(self.state))  # not "catching up" until the next tick
         self.metrics.caught_up()
         self.emit("daemon.caught_up", sets=sum(self.state.counts().values()),
                   duration_ms=int((time.monotonic() - self._ready_at) * 1000))

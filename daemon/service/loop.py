@@ -136,7 +136,8 @@ class Loop:
         """After the daemon stopped intake: let writers finish up to wait_s, then kill them.
 
         A killed writer is not a failed attempt: its step is still recorded as
-        writing, so the next start runs it again.
+        writing, so the next start runs it again (or, `outlives_daemon`, waits
+        for the job it submitted).
         """
         if not self.enabled:
             return
@@ -145,6 +146,8 @@ class Loop:
             self._thread.join(timeout=5)
         with self._lock:
             futures = list(self._writing.values())
+        if self.writer_cfg.outlives_daemon:
+            wait_s = 0  # only a waiting client to end: the job runs on, the next start waits
         deadline = time.monotonic() + wait_s
         for future in futures:
             with contextlib.suppress(Exception):
@@ -320,7 +323,8 @@ class Loop:
             with log.bound_job(**fields):
                 result = writer.run(self.writer_cfg.command, job, self.runs,
                                     timeout_s=self.writer_cfg.timeout_s, emit=emit,
-                                    attempt=attempt, cancel=self._cancel)
+                                    attempt=attempt, cancel=self._cancel,
+                                    outlives_daemon=self.writer_cfg.outlives_daemon)
                 self._written(job, attempt, result, emit)
         except Exception:
             self.log.exception("writer.error", **fields)

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ...handlers import optimizer
+from ...handlers import detached, optimizer
 from ..core import atomic, backoff, config, layout
 from ..core.errors import ConfigError
 from ..infra import log
@@ -71,7 +71,8 @@ class Steps:
             rec = self._record(step) or StepRecord()
             first_time = rec.reported_at is None
             due = (not rec.optimizer_done
-                   and rec.optimizer_attempts < self.cfg.optimizer.max_attempts
+                   and (rec.optimizer_attempts < self.cfg.optimizer.max_attempts
+                        or self._job_out_there(step))  # its last attempt, submitted
                    and (rec.optimizer_next_at or 0) <= self.clock()
                    and step.id not in self._pending)
             if first_time or due:
@@ -126,7 +127,8 @@ class Steps:
         with self.state.lock:
             rec = self.state.steps.get(step.id)
             if (rec is None or rec.optimizer_done or step.id in self._pending
-                    or rec.optimizer_attempts < self.cfg.optimizer.max_attempts):
+                    or rec.optimizer_attempts < self.cfg.optimizer.max_attempts
+                    or self._job_out_there(step)):
                 return None
             return rec.optimizer_attempts
 
@@ -221,12 +223,8 @@ class Steps:
         with self.state.lock:
             generation = self.state.step(step.id).generation
         with log.bound_job(**fields):
-            if bad_command is None:
-                self.emit("optimizer.started", argv=argv)
             try:
-                result = bad_command or optimizer.run(
-                    argv, timeout_s=self.cfg.optimizer.timeout_s, emit=emit,
-                    cancel=self.kill_optimizer)
+                result = bad_command or self._optimize(step, argv, emit)
             except BaseException:
                 with self.state.lock:
                     self._pending.discard(step.id)
@@ -237,13 +235,19 @@ class Steps:
                 self._pending.discard(step.id)
                 rec = self.state.step(step.id)  # under the lock: a flush sees all or nothing
                 reopened = rec.generation != generation
-                if not reopened:  # else a report changed meanwhile: this run is not the last
+                if result.reattached:
+                    rec.optimizer_attempts -= 1  # counted once, when its job was submitted
+                # A job left running at a stop is no failure: the next start waits for it.
+                if not (reopened or result.detached):  # reopened: this run is not the last
                     rec.optimizer_exit_code = result.exit_code
                     rec.optimizer_done = result.exit_code == 0
                     if not rec.optimizer_done:
                         wait_s = self.backoff.delay_s(rec.optimizer_attempts)
                         rec.optimizer_next_at = self.clock() + wait_s
             self._write_marker(step)
+            if result.detached:
+                emit("optimizer.stopped", reason=result.reason)
+                return
             if result.exit_code != 0:
                 self.failures += 1
             # With the step's fields, not only its bound context: /metrics counts
@@ -257,6 +261,23 @@ class Steps:
             self.marker_changed.set()  # after the events: the next writer's come later
         if reopened:
             self.check(step)
+
+    def _job_out_there(self, step: layout.StepKey) -> bool:
+        """An optimizer job an earlier daemon submitted, not known to have ended."""
+        return (self.cfg.optimizer.outlives_daemon
+                and detached.handle_path(self.runs, step, "optimizer").exists())
+
+    def _optimize(self, step: layout.StepKey, argv: list[str], emit: Emit
+                  ) -> optimizer.OptimizerResult:
+        cfg = self.cfg.optimizer
+        if cfg.outlives_daemon:
+            return detached.run(argv, handle=detached.handle_path(self.runs, step, "optimizer"),
+                                stage="optimizer", timeout_s=cfg.timeout_s, emit=emit,
+                                cancel=self.kill_optimizer,
+                                started=lambda: self.emit("optimizer.started", argv=argv))
+        self.emit("optimizer.started", argv=argv)
+        return optimizer.run(argv, timeout_s=cfg.timeout_s, emit=emit,
+                             cancel=self.kill_optimizer)
 
     # --------------------------------------------------------------- shutdown
     def optimizer_runs(self) -> list[Future[None]]:
@@ -272,6 +293,9 @@ class Steps:
     def stop_intake(self) -> None:
         """No new optimizer runs; one not started yet is retried at the next start."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.cfg.optimizer.outlives_daemon:
+            # Only a waiting client to end: its job runs on, the next start waits for it.
+            self.kill_optimizer.set()
 
 
 def _marker_is_newer(marker: dict[str, Any], rec: StepRecord) -> bool:
