@@ -178,6 +178,31 @@ def test_a_batch_never_accepted_gives_up_after_max_attempts(
     assert not any(ws.has_report(s) for s in sets)
 
 
+def test_a_refused_batch_counts_against_max_attempts_across_a_restart(
+        tmp_path: Path, server: BatchServer, start: Any) -> None:
+    """The refusal is kept (the set's attempts, the record's create_error): a
+    daemon stopped before it looked the refusal up, and started again, goes on
+    counting instead of starting afresh."""
+    ws = workspace(tmp_path, server, max_attempts=2, batch_poll_s=2.0, batch_poll_max_s=2.0)
+    server.reject_creates = 1000
+    sets = ws.write_step("r1", 0, 0, success=True)
+    first = start(ws)
+    wait_until(lambda: server.rejected == 1, 60, message="the first batch refused")
+    first.stop()
+    (path,) = records(ws)
+    assert json.loads(path.read_text())["create_error"]  # kept for the next start
+    d = start(ws)
+
+    def given_up(s: Any) -> bool:
+        rec = d.daemon.state.get(s.id)
+        return bool(rec and rec.state == "failed" and rec.next_retry_at is None)
+
+    wait_until(lambda: all(given_up(s) for s in sets), 60, message="every set given up")
+    assert server.rejected == 2  # the first refusal counted after the restart
+    assert all(d.daemon.state.get(s.id).attempts == 2 for s in sets)  # type: ignore[union-attr]
+    assert stays(lambda: server.rejected == 2, 1.0)
+
+
 def test_cancel_file_cancels_and_sends_the_sets_live(
         tmp_path: Path, server: BatchServer, start: Any) -> None:
     ws = workspace(tmp_path, server)

@@ -15,10 +15,11 @@ provider failed: LLMError with its guarded message, retried like a failed
 live call (in the next batch, or live with `[llm] batch_failed = "live"`).
 An item an expired or cancelled batch never answered is sent again,
 without counting an attempt. A batch the provider did not accept (its
-create failed, and no batch carries its key) sends its sets again after the
-loss jobs' backoff, growing with each refusal in a row; after `[loss]
-max_attempts` of them its sets give up (FAILED, `batch.gave_up`) like a
-live call that keeps failing.
+create failed, and no batch carries its key) is an attempt of each of its
+sets, kept in the state like a failed call's (the record keeps why the
+create failed, so a restart counts it too): its sets are sent again after
+the loss jobs' backoff, and give up at `[loss] max_attempts` (FAILED,
+`batch.gave_up`) like a live call that keeps failing.
 """
 from __future__ import annotations
 
@@ -70,8 +71,6 @@ class Results:
         self.clock = clock  # wall clock: submitted_at and a retry's time are kept
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
-        self._create_errors: dict[str, str] = {}  # record key -> why its create failed
-        self._refused: dict[str, int] = {}  # step id -> batches not accepted in a row
         # set id -> the outcome its owner waits on, for each set a record carries
         self._outcomes: dict[str, tuple[Ticket, Outcome]] = {}
 
@@ -150,17 +149,15 @@ class Results:
             # Created or not: the next poll looks for it by its key.
             self.emit("batch.error", level="warning", run=rec.run, step=rec.step,
                       error=str(e), sets=len(items))
-            with self._lock:
-                self._create_errors[rec.key] = str(e)
+            rec.create_error = str(e)
+            self.save(rec)  # a restart counts it as a refusal too
             return
         self._opened(rec, batch_id, recovered=False)
 
     def _opened(self, rec: BatchRecord, batch_id: str, *, recovered: bool) -> None:
         with self._lock:
-            self._create_errors.pop(rec.key, None)
-            self._refused.pop(rec.step, None)
             outcomes = [self._outcomes.get(item.set_id) for item in rec.items]
-        rec.batch_id, rec.state = batch_id, OPEN
+        rec.batch_id, rec.state, rec.create_error = batch_id, OPEN, None
         rec.submitted_at = rec.submitted_at or self.clock()
         self.save(rec)
         for carried in outcomes:
@@ -184,40 +181,37 @@ class Results:
         for item in rec.items:
             item.outcome = "returned"
         self.closed(rec)
-        with self._lock:
-            error = self._create_errors.pop(rec.key, None)
-        if error is None:  # saved by a daemon killed before its create: not a refusal
+        if rec.create_error is None:  # saved by a daemon killed before its create
             for item in rec.items:
                 self._give_back(item.set_id, "back from a batch")
             return
-        with self._lock:
-            refused = self._refused[rec.step] = self._refused.get(rec.step, 0) + 1
-        self._not_accepted(rec, refused, error)
+        self._not_accepted(rec, rec.create_error)
 
-    def _not_accepted(self, rec: BatchRecord, refused: int, error: str) -> None:
-        """The provider did not accept the step's batch `refused` times in a row:
-        its sets wait the loss jobs' backoff, or give up at [loss] max_attempts."""
-        gave_up = refused >= self.cfg.loss.max_attempts
-        if gave_up:
-            with self._lock:
-                self._refused.pop(rec.step, None)  # sets made anew start a fresh count
-        retry_at = None if gave_up else self.clock() + backoff.loss_job(self.cfg).delay_s(refused)
+    def _not_accepted(self, rec: BatchRecord, error: str) -> None:
+        """The provider did not accept the batch: one more attempt of each set (kept
+        in the state, so a restart goes on counting), which waits the loss jobs'
+        backoff, or gives up at [loss] max_attempts like a call that keeps failing."""
+        gave_up = 0
         for item in rec.items:
             key = layout.SetKey.parse(item.set_id)
             if key is None:
                 continue
-            if gave_up:
+            refused = item.attempts + 1
+            if refused >= self.cfg.loss.max_attempts:
+                gave_up += 1
+                retry_at = None
                 reason = f"gave up after {refused} batches the provider did not accept: {error}"
             else:
+                retry_at = self.clock() + backoff.loss_job(self.cfg).delay_s(refused)
                 reason = f"the provider did not accept its batch ({error}); sent again soon"
             self._decided(item.set_id, Decision.write(
-                SetState.FAILED, reason=reason,
-                attempts=self.cfg.loss.max_attempts if gave_up else item.attempts,
-                next_retry_at=retry_at, fingerprint=item.fingerprint,
+                SetState.FAILED, reason=reason, attempts=refused, next_retry_at=retry_at,
+                fingerprint=item.fingerprint,
                 revisit=None if retry_at is None else Revisit(key, retry_at, Why.RETRY)))
         if gave_up:  # said once its sets are recorded as failed
             self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
-                      sets=len(rec.items), attempts=refused, error=error)
+                      sets=gave_up, attempts=max(item.attempts + 1 for item in rec.items),
+                      error=error)
 
     # ------------------------------------------------------------ results
     def close(self, rec: BatchRecord, status: BatchStatus) -> bool:

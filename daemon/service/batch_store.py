@@ -56,6 +56,9 @@ class BatchRecord:
     provider_status: str | None = None
     counts: dict[str, int] = field(default_factory=dict)  # the provider's request_counts
     return_live: bool = False  # cancelled by the user asking for its sets live
+    # Why the provider did not take the create (guarded text), kept so that a
+    # restart counts it as a refusal and not as a daemon killed before its create.
+    create_error: str | None = None
 
     def waiting(self) -> list[BatchItem]:
         """Items whose result is not handled yet."""
