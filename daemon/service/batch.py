@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import threading
 import time
-import tomllib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import config, layout
+from ..core import config, layout, run_toml
 from ..infra import log
 from ..infra.batch_api import FINAL, BatchAPI, BatchAPIError, BatchStatus, supported
 from ..infra.state import SetState, StateStore
@@ -88,7 +87,6 @@ class Batcher:
         self._next_poll: dict[str, float] = {}
         self._interval: dict[str, float] = {}
         self._modes: dict[str, tuple[int, str]] = {}  # run -> (run.toml mtime_ns, mode)
-        self._said_mode: set[str] = set()
         self._thread: threading.Thread | None = None
         self._unsupported: list[str | None] = []  # [why not], once asked (imports litellm)
 
@@ -119,8 +117,8 @@ class Batcher:
         return outcome
 
     def mode(self, run: str) -> str:
-        """`[llm] mode` of runs/<run>/run.toml, else config.toml's."""
-        path = self.runs / run / "run.toml"
+        """`[llm] mode` of runs/<run>/run.toml (read once per change), else config.toml's."""
+        path = run_toml.path_of(self.runs, run)
         try:
             mtime = path.stat().st_mtime_ns
         except OSError:
@@ -128,19 +126,7 @@ class Batcher:
         cached = self._modes.get(run)
         if cached and cached[0] == mtime:
             return cached[1]
-        mode = self.cfg.llm.mode
-        try:
-            llm_table = tomllib.loads(path.read_text(encoding="utf-8")).get("llm", {})
-            value = llm_table.get("mode", mode) if isinstance(llm_table, dict) else mode
-        except (OSError, ValueError):
-            value = mode
-        if value in ("live", "batch"):
-            mode = value
-        elif run not in self._said_mode:
-            self._said_mode.add(run)
-            self.emit("set.ignored", level="warning", path=str(path),
-                      reason=f"[llm] mode = {value!r} is not \"live\" or \"batch\"; "
-                      f"using {mode!r}")
+        mode = self.discovery.run_settings(run).llm_mode or self.cfg.llm.mode
         self._modes[run] = (mtime, mode)
         return mode
 

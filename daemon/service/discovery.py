@@ -11,11 +11,10 @@ is named once in the log, not at every scan, and kept in the state for
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..core import config, dataset, layout
+from ..core import config, dataset, layout, run_toml
 from ..core.errors import RefusedError
 from ..guard import leakguard
 from ..infra.state import StateStore
@@ -89,23 +88,22 @@ class Discovery:
             for first, last in work.ranges(self.cfg.loss.episodes_per_report):
                 yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
 
+    def run_settings(self, run: str) -> run_toml.RunToml:
+        """runs/<run>/run.toml, each of its problems named once (and shown by status)."""
+        path = run_toml.path_of(self.runs, run)
+        settings = run_toml.read(path)
+        for problem in settings.problems:
+            self.ignore(path, problem)
+        return settings
+
     def expected_works(self, run: str) -> list[dataset.Work]:
         """All works in data/, or the subset runs/<run>/run.toml lists."""
-        run_toml = self.runs / run / layout.RUN_TOML
-        if not run_toml.exists():
-            return list(self.works.values())
-        try:
-            names = tomllib.loads(run_toml.read_text(encoding="utf-8")).get("works")
-        except (OSError, ValueError) as e:
-            self.ignore(run_toml, f"unreadable run.toml ({type(e).__name__}); using all works")
-            return list(self.works.values())
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            # A list or table in it would be unhashable below: a crash at start.
-            self.ignore(run_toml, "works must be a list of work names; using all works")
+        names = self.run_settings(run).works
+        if names is None:
             return list(self.works.values())
         for name in names:
             if name not in self.works:
-                self.ignore(run_toml, f"lists unknown work {name!r}")
+                self.ignore(run_toml.path_of(self.runs, run), f"lists unknown work {name!r}")
         return [self.works[n] for n in names if n in self.works]
 
     # ---------------------------------------------------------- unusable paths
