@@ -169,6 +169,11 @@ _ASCII_TABLE = bytes(
     (c + 32 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32 for c in range(256)
 )
 _WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
+# Markup a reader does not see inside a word: Markdown's emphasis and code
+# marks, a backtick typed for an apostrophe, a hyphen where a line broke a word.
+_MIDWORD = re.compile(r"(?<=[^\W_])(?:[`*_~]+|-\r?\n[ \t]*)(?=[^\W_])")
+# A soft hyphen where a line breaks (and the spaces around the break).
+_SOFT_BREAK = re.compile(r"\u00ad[ \t]*\r?\n[ \t]*")
 
 
 @dataclass
@@ -251,11 +256,18 @@ def _words(text: str) -> list[str]:
 
 
 def readings(text: str, *, offsets: bool = False) -> list[Reading]:
-    """The readings of `text`: one, or three when it has format characters.
+    """The readings of `text`: one, or three when it has format characters;
+    each once more with mid-word markup joined when it has some (`_joined`).
 
     With offsets=False the origin lists are not built (the check of a clean
-    text needs none); call again with offsets=True to map a hit back.
+    text needs none); call again with offsets=True to map a hit back. The
+    list has the same length and order either way.
     """
+    out = _readings(text, offsets)
+    return out + [j for r in out if (j := _joined(r, offsets)) is not None]
+
+
+def _readings(text: str, offsets: bool) -> list[Reading]:
     starts = ends = None
     decoded, _, _ = _decode_escapes(text, None, None)
     if decoded.isascii() and decoded == text:  # nothing moved: offsets are the text's
@@ -263,6 +275,11 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
     if offsets:
         starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
         decoded, starts, ends = _decode_escapes(text, starts, ends)
+    if "\u00ad" in decoded:  # a soft hyphen at a line's end: the word goes on
+        if starts is None or ends is None:
+            decoded = _SOFT_BREAK.sub("", decoded)
+        else:
+            decoded, starts, ends = _sub(_SOFT_BREAK, _nothing, decoded, starts, ends)
     if decoded.isascii():
         return [Reading(text, decoded, starts, ends, _words(decoded))]
     # Only the non-ASCII runs are looked at: prose and logs are mostly ASCII.
@@ -289,6 +306,45 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
             low = folded.translate(_ASCII_UPPER)
         out.append(Reading(text, low, r_starts, r_ends, _words(low)))
     return out
+
+
+def _nothing(m: re.Match[str]) -> str:
+    return ""
+
+
+def _joined(reading: Reading, offsets: bool) -> Reading | None:
+    """`reading` with markup inside words removed, as a person reads it
+    (None: it has none).
+
+    A backtick, star, underscore or tilde between two letters (grab`bed,
+    gr*abbed, Wouldn`t, gr**ab**bed) and a hyphen at a line's end inside a
+    word (grab-\\nbed) do not split the word for a reader. Nor can a rule
+    tell `what_in_the_world` (words joined) from `grab_bed` (a word split),
+    so this is a second reading beside the one that splits there: a quote
+    found in either counts.
+    """
+    text = reading.text
+    # One C scan per mark first: most texts have none, and the pattern's
+    # look-behind gives the regex engine no first character to skip to.
+    if not (any(c in text for c in "`*_~") or "-\n" in text or "-\r\n" in text):
+        return None
+    if not _MIDWORD.search(text):
+        return None
+    if not offsets:
+        low = _MIDWORD.sub("", text)
+        return Reading(reading.original, low, None, None, _words(low))
+    starts, ends = reading.starts, reading.ends
+    if starts is None or ends is None:  # the text is the original: identity offsets
+        starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
+    low, starts, ends = _sub(_MIDWORD, _nothing, text, starts, ends)
+    return Reading(reading.original, low, starts, ends, _words(low))
+
+
+def words_as_read(text: str) -> list[str]:
+    """The words a person reads in `text`: format characters and markup inside
+    words removed (the claims parser's reading of a statistic's name)."""
+    first = _readings(text, False)[0]
+    return (_joined(first, False) or first).tokens
 
 
 def tokens(text: str) -> list[str]:
