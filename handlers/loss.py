@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..daemon.core import atomic, dataset
+from ..daemon.core import dataset
 from ..daemon.core.config import LLMConfig
 from ..daemon.core.errors import (
     BadOutputError,
@@ -30,7 +30,7 @@ from ..daemon.core.errors import (
     RefusedError,
 )
 from ..daemon.core.templates import PromptTemplates
-from ..daemon.guard import leakguard
+from ..daemon.guard import leakguard, sealed_write
 from ..daemon.infra import llm
 from ..daemon.reviewer import craft_claims, craft_distance, craft_measuring, craft_prompt
 
@@ -318,8 +318,13 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
-    atomic.write_all({job.archive_path: prepared.archive, job.report_path: report_text,
-                      job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"})
+    # The guard reads each file's final text here, after every transform above.
+    archive = sealed_write.Archive(prepared.archive, prepared.skeleton, prepared.slot,
+                                   prepared.model_block)
+    sealed_write.write_all(
+        {job.archive_path: archive, job.report_path: report_text,
+         job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"},
+        sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values())))
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
                       hashes=hashes, completion=completion, prompt_chars=len(prepared.prompt),
                       prompt_tokens=prepared.prompt_tokens, leaks_redacted=leaks,
@@ -419,38 +424,9 @@ def _guard(report: str, job: LossJob, index: leakguard.HumanIndex, model: dict[i
 def _archive_leaks(archive: str, skeleton: str, slot: str, model_block: str,
                    index: leakguard.HumanIndex) -> bool:
     """Does the archive hold answer-key text outside the model's episodes?
-
-    The model block is allowed text (the writer's own files, already under
-    runs/) and most of the archive, so reading all of it costs ~1 ms a job
-    for nothing: when the archive is the skeleton (the template rendered
-    with `slot` for the model block) with the block pasted in verbatim, only
-    the skeleton's pieces are checked, each with the block's edges beside it
-    (more words than a leak window), so that a passage running across a seam
-    is still seen. A template that changes the block (a filter) gets the
-    check of the whole archive.
-    """
-    pieces = skeleton.split(slot)
-    if len(pieces) == 1 or model_block.join(pieces) != archive:
-        return bool(leakguard.find_leaks(archive, index, allow_text=model_block))
-    head, tail = _block_edges(model_block, index.long_n)
-    for k, piece in enumerate(pieces):
-        text = (tail if k > 0 else "") + piece + (head if k < len(pieces) - 1 else "")
-        # The whole block is allowed, as before; its shingles are built only on a hit.
-        if leakguard.find_leaks(text, index, allow_text=model_block):
-            return True
-    return False
-
-
-def _block_edges(block: str, words: int) -> tuple[str, str]:
-    """The block's first and last characters holding more than `words` words each
-    (one more: a cut may split a word or an escape at the far end)."""
-    size = 256
-    while True:
-        head, tail = block[:size], block[-size:]
-        if size >= len(block) or min(len(leakguard.tokens(head)),
-                                     len(leakguard.tokens(tail))) > words:
-            return head, tail
-        size *= 4
+    (Checked early for its own message; the writer checks it again.)"""
+    return sealed_write.Seal(index).archive_leaks(
+        sealed_write.Archive(archive, skeleton, slot, model_block))
 
 
 def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],

@@ -13,7 +13,9 @@ Steps, in order:
 1. escapes decoded: HTML entities, \\uXXXX \\UXXXXXXXX \\xHH and the one-letter
    escapes (\\n \\t \\" ...), %XX runs that form UTF-8 characters; repeated
    while anything changes (up to DECODE_LEVELS: `&amp;#x27;`, a JSON string
-   inside a JSON log line). Decoded control characters separate words.
+   inside a JSON log line). Decoded control characters separate words;
+   decoded format characters (`&shy;`) are kept for step 2.
+   Then a soft hyphen at a line's end joins the word across the break.
 2. every non-ASCII character folded on its own: format characters (category
    Cf: zero-width space and joiners, soft hyphen, word joiner, BOM, bidi
    marks) removed -- or, in the second reading, made a word separator;
@@ -22,6 +24,12 @@ Steps, in order:
    stripped (NFKD without combining marks); œ æ ø ł đ ı spelled out.
 3. ASCII lower-cased; words are runs of letters and digits, apostrophes
    joining ("don't" -> "dont").
+4. A reading with markup inside words is read once more with it removed
+   (`_joined`): a backtick, star, underscore or tilde between two letters
+   (grab`bed, gr*abbed, Wouldn`t for Wouldn't), a hyphen at a line's end
+   inside a word. A person reads through them; the split reading stays
+   beside it for words joined by them (what_in_the_world). The claims
+   parser reads statistic names this way too (`words_as_read`).
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
@@ -75,12 +83,18 @@ def _decode(m: re.Match[str]) -> str:
             return _ONE_LETTER.get(s[1], s[1])
         code = int(s[2:].strip("{}"), 16)
         out = chr(code) if code <= 0x10FFFF else " "
-        return out if out.isprintable() else " "
+        return out if _shown(out) else " "
     if s[0] == "&":
         out = html.unescape(s)
     else:
         out = bytes.fromhex(s.replace("%", "")).decode("utf-8", "replace")
-    return "".join(c if c.isprintable() or c == " " else " " for c in out) or " "
+    return "".join(c if _shown(c) else " " for c in out) or " "
+
+
+def _shown(ch: str) -> bool:
+    """Printable, a space, or a format character (&shy; and &#x200B; are the
+    soft hyphen and zero-width space: folding reads them inside a word)."""
+    return ch.isprintable() or ch == " " or unicodedata.category(ch) == "Cf"
 
 
 # Letters that look like Latin ones, mapped to them (lower case: folded after).
