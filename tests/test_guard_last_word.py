@@ -23,8 +23,13 @@ import pytest
 from skilltrain.daemon.core.errors import RefusedError
 from skilltrain.daemon.guard import leakguard, sealed_write
 from tests.corpus import adversarial
-from tests.daemon_helpers import Workspace, build_workspace, release_llm_clients, run_cli
-from tests.daemon_helpers import run_once_in_process
+from tests.daemon_helpers import (
+    Workspace,
+    build_workspace,
+    release_llm_clients,
+    run_cli,
+    run_once_in_process,
+)
 from tests.llm_server import LLMServer, Reply
 
 pytestmark = [

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ..core import atomic, dataset, layout
-from ..guard import audit, leakguard
+from ..core import dataset, layout
+from ..guard import audit, leakguard, sealed_write
 
 CACHE = "audit-cache.json"  # in runs/.skilltrain/
 
@@ -57,7 +57,7 @@ def audit_runs(runs: Path, works: Mapping[str, dataset.Work], data_root: Path,
              work=hit.work, episode=hit.episode, n_words=hit.n_words)
     new.pop(str(cache_path), None)
     with contextlib.suppress(OSError):
-        atomic.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
+        sealed_write.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
     emit("audit.completed", level="warning" if result.hits or result.links else "info",
          files=result.files, skipped=result.skipped, leaks=len(result.hits),
          links=len(result.links), errors=len(result.errors),
