@@ -44,7 +44,8 @@ def audit_runs(runs: Path, works: Mapping[str, dataset.Work], data_root: Path,
         new[str(path)] = [st.st_size, st.st_mtime_ns, st.st_ino]
         return old.get(str(path)) == new[str(path)]
 
-    result = audit.scan(runs, indexes, unchanged=unchanged, data_root=data_root)
+    result = audit.scan(runs, indexes, unchanged=unchanged, data_root=data_root,
+                        copies=audit.human_copies(human))
     for link in result.links:
         emit("audit.link", level="error", file=str(link.file), target=str(link.target))
     for error in result.errors:
