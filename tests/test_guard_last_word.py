@@ -24,11 +24,14 @@ from skilltrain.daemon.core.errors import RefusedError
 from skilltrain.daemon.guard import leakguard, sealed_write
 from tests.corpus import adversarial
 from tests.daemon_helpers import (
+    DaemonProcess,
     Workspace,
     build_workspace,
+    human_screenplays,
     release_llm_clients,
     run_cli,
     run_once_in_process,
+    write_human_episodes,
 )
 from tests.llm_server import LLMServer, Reply
 
@@ -288,3 +291,23 @@ def test_no_eight_word_run_of_the_key_is_written_whatever_the_disguise(
             found = key_runs_in(path.read_text(encoding="utf-8"))
             assert not found, (names, quote, found)
     assert written > 250  # the guard redacted what it saw, the seal had little left
+
+
+# ------------------------------------------------- a work added while it runs
+
+
+def test_a_work_added_to_data_while_the_daemon_runs_is_scored_without_a_restart(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Its key was guarded at once (issue 25); its runs were "unknown work"
+    # until a restart.
+    ws = build_workspace(tmp_path / "ws", llm_server.url, works={"alpha": 3})
+    ws.write_step("r1", 0, 0, success=True)
+    with DaemonProcess(ws) as daemon:
+        daemon.wait_event("step.reported", 60, run="r1")
+        write_human_episodes(ws.root, "beta", human_screenplays("beta", 3))
+        ws.works["beta"] = 3
+        ws.write_step("r1", 0, 1, works=["beta"], success=True)
+        done = daemon.wait_event("loss.completed", 60, work="beta")
+    assert done["range"] == "01-03" and done["step"] == 1
+    assert not ws.events("set.ignored")
+    assert [e["added"] for e in ws.events("works.reloaded")] == [["beta"]]
