@@ -269,15 +269,18 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
-    report, leaks = _guard(report, job, prepared.key_index, model, on_leak)
+    # One seal for the job: what its guard found clean the writer need not read again.
+    seal = sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values()))
+    report, leaks = _guard(report, job, seal, on_leak)
     claims = craft_claims.check_report(report, prepared.human_stats, prepared.model_stats)
     if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
         raise _contradicted(job, claims, refuse_share)
     if on_contradiction != "ignore" and claims.contradicted:
         # The optimizer reads the correction with the claim, never the claim alone.
         report = f"{report}\n\n{craft_claims.annotation(claims.contradicted)}"
-    if _archive_leaks(prepared.archive, prepared.skeleton, prepared.slot,
-                      prepared.model_block, prepared.key_index):
+    archive = sealed_write.Archive(prepared.archive, prepared.skeleton, prepared.slot,
+                                   prepared.model_block)
+    if seal.archive_leaks(archive):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
         raise RefusedError(f"template {prepared.template_path} renders human screenplay "
@@ -319,12 +322,8 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
     # The guard reads each file's final text here, after every transform above.
-    archive = sealed_write.Archive(prepared.archive, prepared.skeleton, prepared.slot,
-                                   prepared.model_block)
-    sealed_write.write_all(
-        {job.archive_path: archive, job.report_path: report_text,
-         job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"},
-        sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values())))
+    sealed_write.write_all({job.archive_path: archive, job.report_path: report_text,
+                            job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"}, seal)
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
                       hashes=hashes, completion=completion, prompt_chars=len(prepared.prompt),
                       prompt_tokens=prepared.prompt_tokens, leaks_redacted=leaks,
@@ -409,24 +408,16 @@ def _placeholder(human: dict[int, str]) -> str:
             f"sha256 {dataset.episodes_digest(human)[:16]}. The answer key never enters runs/.]")
 
 
-def _guard(report: str, job: LossJob, index: leakguard.HumanIndex, model: dict[int, str],
+def _guard(report: str, job: LossJob, seal: sealed_write.Seal,
            on_leak: str) -> tuple[str, int]:
     """Redact or refuse verbatim answer-key passages in the report."""
-    leaks = leakguard.find_leaks(report, index, allow_text="\n".join(model.values()))
+    leaks = seal.find(report)
     if not leaks:
         return report, 0
     if on_leak == "refuse":
         raise RefusedError(f"the report for {job.work.name} ep{job.range_label} quotes the "
                            f"human screenplay verbatim in {len(leaks)} place(s)")
     return leakguard.redact(report, leaks), len(leaks)
-
-
-def _archive_leaks(archive: str, skeleton: str, slot: str, model_block: str,
-                   index: leakguard.HumanIndex) -> bool:
-    """Does the archive hold answer-key text outside the model's episodes?
-    (Checked early for its own message; the writer checks it again.)"""
-    return sealed_write.Seal(index).archive_leaks(
-        sealed_write.Archive(archive, skeleton, slot, model_block))
 
 
 def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],

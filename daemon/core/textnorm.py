@@ -185,7 +185,7 @@ _ASCII_TABLE = bytes(
 _WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
 # Markup a reader does not see inside a word: Markdown's emphasis and code
 # marks, a backtick typed for an apostrophe, a hyphen where a line broke a word.
-_MIDWORD = re.compile(r"(?<=[^\W_])(?:[`*_~]+|-\r?\n[ \t]*)(?=[^\W_])")
+_HYPHEN_BREAK = re.compile(r"-\r?\n[ \t]*")
 # A soft hyphen where a line breaks (and the spaces around the break).
 _SOFT_BREAK = re.compile(r"\u00ad[ \t]*\r?\n[ \t]*")
 
@@ -204,6 +204,9 @@ class Reading:
     starts: list[int] | None = None
     ends: list[int] | None = None
     tokens: list[str] = field(default_factory=list)
+    # Tokens that differ from the first reading's (None: any may): only the
+    # shingles over them need a look (the markup reading: the joined words).
+    focus: frozenset[int] | None = None
 
     def token_spans(self, wanted: set[int] | None = None) -> dict[int, tuple[int, int]]:
         """(start, end) in the original text of the tokens numbered `wanted` (default all)."""
@@ -335,23 +338,85 @@ def _joined(reading: Reading, offsets: bool) -> Reading | None:
     word (grab-\\nbed) do not split the word for a reader. Nor can a rule
     tell `what_in_the_world` (words joined) from `grab_bed` (a word split),
     so this is a second reading beside the one that splits there: a quote
-    found in either counts.
+    found in either counts. `focus`: the joined words, the only ones whose
+    shingles differ from the first reading's.
     """
     text = reading.text
-    # One C scan per mark first: most texts have none, and the pattern's
-    # look-behind gives the regex engine no first character to skip to.
+    # One C scan per mark first: most texts have none.
     if not (any(c in text for c in "`*_~") or "-\n" in text or "-\r\n" in text):
         return None
-    if not _MIDWORD.search(text):
+    cuts = _cuts(text)
+    if not cuts:
         return None
-    if not offsets:
-        low = _MIDWORD.sub("", text)
-        return Reading(reading.original, low, None, None, _words(low))
-    starts, ends = reading.starts, reading.ends
-    if starts is None or ends is None:  # the text is the original: identity offsets
-        starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
-    low, starts, ends = _sub(_MIDWORD, _nothing, text, starts, ends)
-    return Reading(reading.original, low, starts, ends, _words(low))
+    parts, pos = [], 0
+    for s, e in cuts:
+        parts.append(text[pos:s])
+        pos = e
+    parts.append(text[pos:])
+    low = "".join(parts)
+    # The first reading splits at each cut (a mark separates words there), so
+    # its words before cut k are those of the parts before it; the two words
+    # at a cut become one (three or more at cuts in a row: gr**ab**bed).
+    first, toks, focus = reading.tokens, [], []
+    done = words = 0  # first-reading words emitted; words before this cut
+    for part in parts[:-1]:
+        words += len(_words(part))
+        i = words - 1  # the word before the cut
+        if i < done:  # the cut before ended in this same word: it goes on
+            toks[-1] += first[i + 1]
+        else:
+            toks += first[done:i]
+            toks.append(first[i] + first[i + 1])
+            focus.append(len(toks) - 1)
+        done = i + 2
+    toks += first[done:]
+    starts = ends = None
+    if offsets:
+        starts, ends = reading.starts, reading.ends
+        if starts is None or ends is None:  # the text is the original: identity offsets
+            starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
+        keep_s: list[int] = []
+        keep_e: list[int] = []
+        pos = 0
+        for s, e in [*cuts, (len(text), len(text))]:
+            keep_s += starts[pos:s]
+            keep_e += ends[pos:s]
+            pos = e
+        starts, ends = keep_s, keep_e
+    return Reading(reading.original, low, starts, ends, toks, focus=frozenset(focus))
+
+
+def _cuts(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each run of markup with a letter or digit on both sides.
+
+    str.find per mark (memchr) rather than a regex: sre scans a character
+    class at ~10 ns a character, and a report has a few dozen marks at most.
+    """
+    marks: list[int] = []
+    for mark in "`*_~":
+        i = text.find(mark)
+        while i >= 0:
+            marks.append(i)
+            i = text.find(mark, i + 1)
+    runs: list[tuple[int, int]] = []
+    for i in sorted(marks):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    i = text.find("-\n") if "-\n" in text else -1
+    while i >= 0:  # a hyphen where a line broke a word
+        if m := _HYPHEN_BREAK.match(text, i):
+            runs.append((i, m.end()))
+        i = text.find("-\n", i + 1)
+    i = text.find("-\r\n") if "-\r\n" in text else -1
+    while i >= 0:
+        if m := _HYPHEN_BREAK.match(text, i):
+            runs.append((i, m.end()))
+        i = text.find("-\r\n", i + 1)
+    end = len(text)
+    return sorted((s, e) for s, e in runs
+                  if 0 < s and e < end and text[s - 1].isalnum() and text[e].isalnum())
 
 
 def words_as_read(text: str) -> list[str]:
@@ -363,4 +428,4 @@ def words_as_read(text: str) -> list[str]:
 
 def tokens(text: str) -> list[str]:
     """The normalised words of `text` (format characters removed inside words)."""
-    return readings(text)[0].tokens
+    return _readings(text, False)[0].tokens
