@@ -357,7 +357,9 @@ def _joined(reading: Reading, offsets: bool) -> Reading | None:
     # The first reading splits at each cut (a mark separates words there), so
     # its words before cut k are those of the parts before it; the two words
     # at a cut become one (three or more at cuts in a row: gr**ab**bed).
-    first, toks, focus = reading.tokens, [], []
+    first = reading.tokens
+    toks: list[str] = []
+    focus: list[int] = []
     done = words = 0  # first-reading words emitted; words before this cut
     for part in parts[:-1]:
         words += len(_words(part))
