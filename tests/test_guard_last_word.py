@@ -311,3 +311,19 @@ def test_a_work_added_to_data_while_the_daemon_runs_is_scored_without_a_restart(
     assert done["range"] == "01-03" and done["step"] == 1
     assert not ws.events("set.ignored")
     assert [e["added"] for e in ws.events("works.reloaded")] == [["beta"]]
+
+
+def test_what_is_appended_after_the_guard_is_read_with_the_words_before_it(
+        tmp_path: Path) -> None:
+    # The seal remembers the report its guard found clean; text appended to
+    # it (an annotation) is read again, with the seam: a quote that starts
+    # in the report and ends in the annotation is a quote.
+    index = leakguard.index_for("beauty", KEY)
+    seal = sealed_write.Seal(index)
+    words = adversarial.LONG_COMMON[1].split()
+    report = "The original trusts images. " + " ".join(words[:7])  # 7 words: no leak alone
+    assert seal.find(report) == []
+    sealed_write.write_all({tmp_path / "ok.md": report + "\n"}, seal)
+    with pytest.raises(sealed_write.SealRefused):
+        sealed_write.write_all({tmp_path / "r.md": f"{report} {' '.join(words[7:])}\n"}, seal)
+    assert not (tmp_path / "r.md").exists()
