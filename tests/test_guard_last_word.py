@@ -57,7 +57,8 @@ KEY = adversarial.key()
 # ------------------------------------------------ an independent reading
 
 
-_INVISIBLE = re.compile(r"[`*_~\u00ad\u200b-\u200f\u2060\ufeff]|-\n")
+_INVISIBLE = re.compile(r"[`*_~\\\\\u00ad\u200b-\u200f\u2060\ufeff]|-\n")
+_TAGS = re.compile(r"<!--.*?-->|</?[A-Za-z][^<>]*>", re.S)
 
 
 def read_as_a_person(text: str) -> list[str]:
@@ -68,7 +69,7 @@ def read_as_a_person(text: str) -> list[str]:
         text = re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
         text = text.replace('\\"', '"').replace("\\n", "\n")
     text = re.sub(r"\u00ad\s*\n\s*", "", text)
-    text = _INVISIBLE.sub("", text)
+    text = _INVISIBLE.sub("", _TAGS.sub("", text))
     text = "".join(c for c in unicodedata.normalize("NFKD", text)
                    if not unicodedata.combining(c))
     text = text.lower().replace("\u2019", "'").replace("'", "")
@@ -246,6 +247,8 @@ DISGUISES: dict[str, Disguise] = {
     "HTML entity": _mark_inside(["&#96;", "&shy;", "&#x200B;"]),  # type: ignore[list-item]
     "soft hyphen at a line break": _mark_inside(["\u00ad\n"]),  # type: ignore[list-item]
     "backtick apostrophe": lambda line, rng: line.replace("'", "`"),
+    "HTML tags": _mark_inside(["<b></b>", "<i>", "<!-- x -->"]),  # type: ignore[list-item]
+    "Markdown escape": _mark_inside(["\\_", "\\*"]),  # type: ignore[list-item]
 }
 
 

@@ -186,6 +186,7 @@ _WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
 # Markup a reader does not see inside a word: Markdown's emphasis and code
 # marks, a backtick typed for an apostrophe, a hyphen where a line broke a word.
 _HYPHEN_BREAK = re.compile(r"-\r?\n[ \t]*")
+_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]{0,20}(?:\s[^<>]{0,200})?/?>|<!--.{0,200}?-->", re.S)
 # A soft hyphen where a line breaks (and the spaces around the break).
 _SOFT_BREAK = re.compile(r"\u00ad[ \t]*\r?\n[ \t]*")
 
@@ -343,7 +344,7 @@ def _joined(reading: Reading, offsets: bool) -> Reading | None:
     """
     text = reading.text
     # One C scan per mark first: most texts have none.
-    if not (any(c in text for c in "`*_~") or "-\n" in text or "-\r\n" in text):
+    if not (any(c in text for c in "`*_~\\<") or "-\n" in text or "-\r\n" in text):
         return None
     cuts = _cuts(text)
     if not cuts:
@@ -357,20 +358,24 @@ def _joined(reading: Reading, offsets: bool) -> Reading | None:
     # The first reading splits at each cut (a mark separates words there), so
     # its words before cut k are those of the parts before it; the two words
     # at a cut become one (three or more at cuts in a row: gr**ab**bed).
+    # (A tag's own words, <b>, are words of the first reading: skipped.)
     first = reading.tokens
     toks: list[str] = []
     focus: list[int] = []
     done = words = 0  # first-reading words emitted; words before this cut
-    for part in parts[:-1]:
+    for part, (s, e) in zip(parts, cuts, strict=False):
         words += len(_words(part))
         i = words - 1  # the word before the cut
+        inside = len(_words(text[s:e])) if "<" in text[s:e] else 0
+        words += inside
+        after = i + inside + 1  # the word after it
         if i < done:  # the cut before ended in this same word: it goes on
-            toks[-1] += first[i + 1]
+            toks[-1] += first[after]
         else:
             toks += first[done:i]
-            toks.append(first[i] + first[i + 1])
+            toks.append(first[i] + first[after])
             focus.append(len(toks) - 1)
-        done = i + 2
+        done = after + 1
     toks += first[done:]
     starts = ends = None
     if offsets:
@@ -389,36 +394,34 @@ def _joined(reading: Reading, offsets: bool) -> Reading | None:
 
 
 def _cuts(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each run of markup with a letter or digit on both sides.
+    """(start, end) of each run of markup with a letter or digit on both sides:
+    Markdown's marks and its backslash escapes (gr\\_abbed), HTML tags and
+    comments (gr<b>a</b>bbed), a hyphen where a line broke a word.
 
     str.find per mark (memchr) rather than a regex: sre scans a character
     class at ~10 ns a character, and a report has a few dozen marks at most.
     """
-    marks: list[int] = []
-    for mark in "`*_~":
+    runs: list[tuple[int, int]] = []
+    for mark in "`*_~\\":
         i = text.find(mark)
         while i >= 0:
-            marks.append(i)
-            i = text.find(mark, i + 1)
-    runs: list[tuple[int, int]] = []
-    for i in sorted(marks):
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
             runs.append((i, i + 1))
-    i = text.find("-\n") if "-\n" in text else -1
-    while i >= 0:  # a hyphen where a line broke a word
-        if m := _HYPHEN_BREAK.match(text, i):
-            runs.append((i, m.end()))
-        i = text.find("-\n", i + 1)
-    i = text.find("-\r\n") if "-\r\n" in text else -1
-    while i >= 0:
-        if m := _HYPHEN_BREAK.match(text, i):
-            runs.append((i, m.end()))
-        i = text.find("-\r\n", i + 1)
+            i = text.find(mark, i + 1)
+    for start, pattern in (("-\n", _HYPHEN_BREAK), ("-\r\n", _HYPHEN_BREAK), ("<", _TAG)):
+        i = text.find(start)
+        while i >= 0:
+            if m := pattern.match(text, i):
+                runs.append((i, m.end()))
+            i = text.find(start, i + 1)
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted(runs):  # marks and tags side by side are one run (**, <b><i>)
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
     end = len(text)
-    return sorted((s, e) for s, e in runs
-                  if 0 < s and e < end and text[s - 1].isalnum() and text[e].isalnum())
+    return [(s, e) for s, e in merged
+            if 0 < s and e < end and text[s - 1].isalnum() and text[e].isalnum()]
 
 
 def words_as_read(text: str) -> list[str]:

@@ -92,6 +92,8 @@ DISGUISES: dict[str, Callable[[str], str]] = {
         r"\b(\w\w)(\w\w+)", lambda m: m.group(1) + "-\n" + m.group(2), s),
     "backtick inside, line-wrapped": lambda s: re.sub(r"(\S+ \S+ \S+) ", r"\1\n",
                                                       _inside("`")(s)),
+    "HTML tags inside": _inside("<b></b>"),
+    "Markdown escape inside": _inside("\\_"),
 }
 
 
