@@ -326,3 +326,20 @@ def test_the_models_own_lines_are_allowed_where_the_guard_allows_them(tmp_path: 
         "r1/skill.md",  # the model's text is allowed in its set's files, not anywhere
         "skilltrain.jsonl",
     ]
+
+
+def test_a_copy_of_the_key_among_the_episodes_allows_nothing(tmp_path: Path) -> None:
+    # The loss step never sends a copy of a human episode (nor a link to one):
+    # it does not make the key the model's own text in the set's report.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for("beauty", key)
+    model = {1: key[1], 2: "INT. HOUSE - DAY\n\nLESTER\nFine.\n", 3: "EXT. STREET\n"}
+    quote = adversarial.LONG_COMMON[0]
+    assert quote in key[1]
+    scripts, loss = _set_tree(tmp_path, model, f"It says: {quote}\n")
+    hits = audit.scan(tmp_path, [index], copies=audit.human_copies({"beauty": key})).hits
+    files = {str(h.file.relative_to(tmp_path)) for h in hits}
+    assert "r1/loss/epoch_00/step_00/beauty_ep01-03.md" in files
+    assert "r1/epoch_00/step_00/beauty/scripts/ep01.txt" in files

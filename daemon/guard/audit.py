@@ -270,7 +270,7 @@ def scan(root: Path, indexes: Sequence[HumanIndex], *,
     if not root.is_dir():
         result.errors.append(f"{root}: not a directory")
         return result
-    allowed = _Allowances(root)
+    allowed = _Allowances(root, copies)
     for entry in _walk(root, data_root, result):
         path = entry.path
         if entry.real is None and unchanged is not None and unchanged(path):
@@ -298,10 +298,13 @@ def scan(root: Path, indexes: Sequence[HumanIndex], *,
 
 class _Allowances:
     """The model episodes of the set a report, archive or sidecar belongs to,
-    read once per set ("" for any other file)."""
+    read once per set ("" for any other file). Not through a symlink, and not
+    a copy of a human episode: the loss step sends neither, so neither makes
+    key text in a report the model's own."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, copies: Mapping[str, tuple[str, int]] | None) -> None:
         self.root = root
+        self.copies = copies or {}
         self._texts: dict[layout.SetKey, str] = {}
 
     def of(self, path: Path) -> str:
@@ -312,8 +315,12 @@ class _Allowances:
             scripts = key.scripts_dir(self.root)
             texts = []
             for n in range(key.first, key.last + 1):
+                episode = scripts / dataset.episode_name(n)
                 with contextlib.suppress(OSError, UnicodeDecodeError):
-                    texts.append((scripts / dataset.episode_name(n)).read_text("utf-8"))
+                    if not episode.is_symlink():
+                        text = episode.read_text("utf-8")
+                        if dataset.sha256_text(text) not in self.copies:
+                            texts.append(text)
             self._texts[key] = "\n".join(texts)
         return self._texts[key]
 
