@@ -48,7 +48,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..daemon.core import atomic, layout
+from ..daemon.core import layout
+from ..daemon.guard import sealed_write
 from . import optimizer
 from .optimizer import Emit, OptimizerResult
 
@@ -100,7 +101,7 @@ def run(argv: Sequence[str], *, handle: Path, stage: str, timeout_s: float, emit
     # Recorded (atomic, fsync) before the submission: a SIGKILL from here on
     # finds it at the next start.
     record = Handle(token, list(argv), now, now + timeout_s)
-    atomic.write_text(handle, json.dumps(asdict(record)) + "\n")
+    sealed_write.write_text(handle, json.dumps(asdict(record)) + "\n")
     started()
     result = optimizer.run(argv, timeout_s=timeout_s, emit=emit, cancel=cancel,
                            output_event=f"{stage}.output",

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..daemon.core import atomic, dataset
+from ..daemon.core import dataset
 from ..daemon.core.config import LLMConfig
 from ..daemon.core.errors import (
     BadOutputError,
@@ -30,7 +30,7 @@ from ..daemon.core.errors import (
     RefusedError,
 )
 from ..daemon.core.templates import PromptTemplates
-from ..daemon.guard import leakguard
+from ..daemon.guard import leakguard, sealed_write
 from ..daemon.infra import llm
 from ..daemon.reviewer import craft_claims, craft_distance, craft_measuring, craft_prompt
 
@@ -269,15 +269,18 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
                            f"(finish_reason={completion.finish_reason}, "
                            f"{completion.tokens_out:,} tokens out)")
 
-    report, leaks = _guard(report, job, prepared.key_index, model, on_leak)
+    # One seal for the job: what its guard found clean the writer need not read again.
+    seal = sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values()))
+    report, leaks = _guard(report, job, seal, on_leak)
     claims = craft_claims.check_report(report, prepared.human_stats, prepared.model_stats)
     if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
         raise _contradicted(job, claims, refuse_share)
     if on_contradiction != "ignore" and claims.contradicted:
         # The optimizer reads the correction with the claim, never the claim alone.
         report = f"{report}\n\n{craft_claims.annotation(claims.contradicted)}"
-    if _archive_leaks(prepared.archive, prepared.skeleton, prepared.slot,
-                      prepared.model_block, prepared.key_index):
+    archive = sealed_write.Archive(prepared.archive, prepared.skeleton, prepared.slot,
+                                   prepared.model_block)
+    if seal.archive_leaks(archive):
         # The template puts answer-key text into the archive by some other
         # route than human_scripts; writing it would break rule 1.
         raise RefusedError(f"template {prepared.template_path} renders human screenplay "
@@ -318,8 +321,9 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
-    atomic.write_all({job.archive_path: prepared.archive, job.report_path: report_text,
-                      job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"})
+    # The guard reads each file's final text here, after every transform above.
+    sealed_write.write_all({job.archive_path: archive, job.report_path: report_text,
+                            job.sidecar_path: json.dumps(sidecar, indent=2) + "\n"}, seal)
     return LossResult(report_path=job.report_path, report_bytes=len(report_text.encode()),
                       hashes=hashes, completion=completion, prompt_chars=len(prepared.prompt),
                       prompt_tokens=prepared.prompt_tokens, leaks_redacted=leaks,
@@ -404,53 +408,16 @@ def _placeholder(human: dict[int, str]) -> str:
             f"sha256 {dataset.episodes_digest(human)[:16]}. The answer key never enters runs/.]")
 
 
-def _guard(report: str, job: LossJob, index: leakguard.HumanIndex, model: dict[int, str],
+def _guard(report: str, job: LossJob, seal: sealed_write.Seal,
            on_leak: str) -> tuple[str, int]:
     """Redact or refuse verbatim answer-key passages in the report."""
-    leaks = leakguard.find_leaks(report, index, allow_text="\n".join(model.values()))
+    leaks = seal.find(report)
     if not leaks:
         return report, 0
     if on_leak == "refuse":
         raise RefusedError(f"the report for {job.work.name} ep{job.range_label} quotes the "
                            f"human screenplay verbatim in {len(leaks)} place(s)")
     return leakguard.redact(report, leaks), len(leaks)
-
-
-def _archive_leaks(archive: str, skeleton: str, slot: str, model_block: str,
-                   index: leakguard.HumanIndex) -> bool:
-    """Does the archive hold answer-key text outside the model's episodes?
-
-    The model block is allowed text (the writer's own files, already under
-    runs/) and most of the archive, so reading all of it costs ~1 ms a job
-    for nothing: when the archive is the skeleton (the template rendered
-    with `slot` for the model block) with the block pasted in verbatim, only
-    the skeleton's pieces are checked, each with the block's edges beside it
-    (more words than a leak window), so that a passage running across a seam
-    is still seen. A template that changes the block (a filter) gets the
-    check of the whole archive.
-    """
-    pieces = skeleton.split(slot)
-    if len(pieces) == 1 or model_block.join(pieces) != archive:
-        return bool(leakguard.find_leaks(archive, index, allow_text=model_block))
-    head, tail = _block_edges(model_block, index.long_n)
-    for k, piece in enumerate(pieces):
-        text = (tail if k > 0 else "") + piece + (head if k < len(pieces) - 1 else "")
-        # The whole block is allowed, as before; its shingles are built only on a hit.
-        if leakguard.find_leaks(text, index, allow_text=model_block):
-            return True
-    return False
-
-
-def _block_edges(block: str, words: int) -> tuple[str, str]:
-    """The block's first and last characters holding more than `words` words each
-    (one more: a cut may split a word or an escape at the far end)."""
-    size = 256
-    while True:
-        head, tail = block[:size], block[-size:]
-        if size >= len(block) or min(len(leakguard.tokens(head)),
-                                     len(leakguard.tokens(tail))) > words:
-            return head, tail
-        size *= 4
 
 
 def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],

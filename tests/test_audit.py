@@ -273,3 +273,73 @@ def test_a_long_heading_of_the_key_is_found_whole(tmp_path: Path) -> None:
     notes.write_text(f"# Skill\n\nOpen like the original: {heading}\n", encoding="utf-8")
     (hit,) = audit_tree(root, [index])
     assert (hit.file, hit.line, hit.n_words) == (notes, 3, 9)
+
+
+# ------------------------------------------- issue 34: the audit agrees with the guard
+
+
+def _set_tree(root: Path, model: dict[int, str], report: str) -> tuple[Path, Path]:
+    """A scored set as the loss step leaves it: episodes, report, archive, sidecar."""
+    scripts = root / "r1" / "epoch_00" / "step_00" / "beauty" / "scripts"
+    scripts.mkdir(parents=True)
+    for n, text in model.items():
+        (scripts / f"ep{n:02d}.txt").write_text(text, encoding="utf-8")
+    loss = root / "r1" / "loss" / "epoch_00" / "step_00"
+    loss.mkdir(parents=True)
+    block = "\n\n".join(f"### Model ep{n:02d}\n\n{t}" for n, t in model.items())
+    (loss / "beauty_ep01-03_prompt.md").write_text(
+        f"Compare.\n\n[human screenplay omitted]\n\n{block}\n", encoding="utf-8")
+    (loss / "beauty_ep01-03.md").write_text(report, encoding="utf-8")
+    (loss / "beauty_ep01-03.json").write_text(json.dumps({"claims": {}}), encoding="utf-8")
+    return scripts, loss
+
+
+def test_the_models_own_lines_are_allowed_where_the_guard_allows_them(tmp_path: Path) -> None:
+    # A writer of the same story writes some of the key's lines itself (an LLM
+    # does: "Is it true she got a glass eye"). The guard lets its report quote
+    # them and its archive holds them; the audit flagged each (128 hits on a
+    # clean run in the issue). A planted quote is still found everywhere else.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for("beauty", key)
+    own = adversarial.LONG_COMMON[:3]  # lines of the key the model wrote too
+    model = {n: f"INT. HOUSE - DAY\n\nLESTER\n{own[n - 1]}\n\nCAROLYN\nFine.\n"
+             for n in (1, 2, 3)}
+    report = f"The model keeps the line '{own[0]}' and loses the image.\n"
+    scripts, loss = _set_tree(tmp_path, model, report)
+    copies = audit.human_copies({"beauty": key})
+
+    assert audit.scan(tmp_path, [index], copies=copies).hits == []
+
+    planted = adversarial.LONG_COMMON[4]  # not in the model's episodes
+    (loss / "beauty_ep01-03.md").write_text(report + f"\nAs the original says: {planted}\n",
+                                            encoding="utf-8")
+    (tmp_path / "r1" / "skill.md").write_text(f"Write like: {own[1]}\n", encoding="utf-8")
+    (tmp_path / "skilltrain.jsonl").write_text(json.dumps({"event": own[2]}) + "\n",
+                                               encoding="utf-8")
+    (scripts / "ep04.txt").write_text(key[2], encoding="utf-8")  # a copy of the key
+    hits = audit.scan(tmp_path, [index], copies=copies).hits
+    assert sorted(str(h.file.relative_to(tmp_path)) for h in hits) == [
+        "r1/epoch_00/step_00/beauty/scripts/ep04.txt",
+        "r1/loss/epoch_00/step_00/beauty_ep01-03.md",
+        "r1/skill.md",  # the model's text is allowed in its set's files, not anywhere
+        "skilltrain.jsonl",
+    ]
+
+
+def test_a_copy_of_the_key_among_the_episodes_allows_nothing(tmp_path: Path) -> None:
+    # The loss step never sends a copy of a human episode (nor a link to one):
+    # it does not make the key the model's own text in the set's report.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for("beauty", key)
+    model = {1: key[1], 2: "INT. HOUSE - DAY\n\nLESTER\nFine.\n", 3: "EXT. STREET\n"}
+    quote = adversarial.LONG_COMMON[0]
+    assert quote in key[1]
+    scripts, loss = _set_tree(tmp_path, model, f"It says: {quote}\n")
+    hits = audit.scan(tmp_path, [index], copies=audit.human_copies({"beauty": key})).hits
+    files = {str(h.file.relative_to(tmp_path)) for h in hits}
+    assert "r1/loss/epoch_00/step_00/beauty_ep01-03.md" in files
+    assert "r1/epoch_00/step_00/beauty/scripts/ep01.txt" in files

@@ -2,6 +2,7 @@
 and the built-in reviewer's own list always confirmed (issue 25)."""
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -39,7 +40,7 @@ def test_the_list_format_is_read_leniently() -> None:
     claims = read_claims(report)
     assert claims.found and claims.malformed == ()
     assert [(c.statistic, c.direction, c.line) for c in claims.claims] == [
-        ("speech_words_mean", "higher", 5), ("scenes per episode", "lower", 6),
+        ("speech_words_mean", "higher", 5), ("scenes_per_episode", "lower", 6),
         ("dialogue_share", "similar", 7)]
 
 
@@ -201,3 +202,20 @@ def test_progress_pools_the_steps_checked_claims() -> None:
     row = curve.summarize("r1", 0, 0, sidecars, None)
     assert row.claims_contradicted_share == 0.125 and row.claims_unchecked == 1
     assert curve.summarize("r1", 0, 1, [{}], None).claims_contradicted_share is None
+
+
+def test_a_claim_line_keeps_no_more_than_a_statistic_name(stats: tuple) -> None:
+    # Issue 34: the parser stripped backticks and stars after the guard had
+    # read the line split at them, and saved the rejoined line, a quote, as
+    # the statistic. Now a name is read as the guard reads it and kept only
+    # as a key of the facts table or a name of a few words.
+    quote = "He grab`bed it before the ring ev`en hit the wa*ter, and Walter laughed"
+    report = (f"## Claims\n- {quote}: higher\n- spee`ch_wo*rds_mean: lower\n"
+              "- **Scenes per episode**: similar\n- plot_quality: higher\n")
+    check = check_report(report, *stats)
+    assert [v.statistic for v in check.verdicts] == [
+        "speech_words_mean", "scenes_per_episode", "plot_quality"]
+    assert [n for n, _ in check.malformed] == [2]
+    dumped = json.dumps(check.sidecar_fields("annotate"))
+    for word in ("grab", "ring", "water", "Walter", "laughed"):
+        assert word not in dumped

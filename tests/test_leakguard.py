@@ -662,3 +662,61 @@ def test_a_job_that_read_a_key_the_log_does_not_hold_makes_it_look_now(
         assert leakguard.installed().leaks(line)  # type: ignore[union-attr]
     finally:
         leakguard.install(None)
+
+
+MARKUP_DISGUISES = ["backtick inside", "star inside", "bold inside", "underscore inside",
+                    "tilde inside", "backtick for apostrophe", "HTML backtick inside",
+                    "soft hyphen at line breaks", "hyphen at line breaks",
+                    "backtick inside, line-wrapped", "HTML tags inside",
+                    "Markdown escape inside"]
+
+
+@pytest.mark.parametrize("disguise", MARKUP_DISGUISES)
+def test_markup_inside_words_does_not_split_them(disguise: str) -> None:
+    # Issue 34: grab`bed, gr*abbed, Wouldn`t are one word to a reader; a guard
+    # that split them there passed 14-word lines of the key.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    for line in adversarial.quotable_lines(key):
+        report = adversarial.report_quoting(adversarial.DISGUISES[disguise](line))
+        leaks = find_leaks(report, index)
+        assert leaks, line
+        # The cut covers the disguised quote: nothing of it is found again.
+        assert find_leaks(redact(report, leaks), index) == []
+
+
+def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:
+    text = "He grab`bed it, what_in_the_world, Wouldn`t he?"
+    views = textnorm.readings(text, offsets=True)
+    assert [v.tokens for v in views] == [
+        ["he", "grab", "bed", "it", "what", "in", "the", "world", "wouldn", "t", "he"],
+        ["he", "grabbed", "it", "whatintheworld", "wouldnt", "he"]]
+    spans = views[1].token_spans()
+    assert [text[s:e] for s, e in spans.values()] == [
+        "He", "grab`bed", "it", "what_in_the_world", "Wouldn`t", "he"]
+    # Without offsets the same readings, in the same order (leakguard maps back by index).
+    assert [v.tokens for v in textnorm.readings(text)] == [v.tokens for v in views]
+
+
+def test_the_markup_reading_has_the_words_of_its_own_text() -> None:
+    # The joined reading is built from the first reading's words (no second
+    # tokenisation); seeded random texts hold it to reading its text afresh.
+    import random
+    import re
+
+    rng = random.Random(34)
+    words = ["grab", "bed", "Wouldn't", "don't", "the", "caf\u00e9", "x1", "a", "I"]
+    marks = ["", "", "`", "**", "_", "~", "-\n", "\u200b", "\u00ad\n", "<b>",
+             "</i><em class='x y'>", "<!-- z q -->", "\\_", "`<b>", "*</b>_", "&#96;"]
+    for _ in range(3000):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 8)))
+        text = re.sub(r"(?<=\w)(?=\w)", lambda m: rng.choice(marks), text)
+        plain, offsets = textnorm.readings(text), textnorm.readings(text, offsets=True)
+        assert [v.tokens for v in plain] == [v.tokens for v in offsets], text
+        for view in offsets:
+            fresh = [w.replace("'", "").lower()
+                     for w in re.findall(r"[^\W_]+(?:'+[^\W_]+)*", view.text)]
+            assert view.tokens == fresh, text
+            assert len(view.token_spans()) == len(view.tokens), text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 TEMP_PREFIX = ".skilltrain-tmp-"
@@ -21,7 +21,7 @@ def write_text(path: Path, text: str) -> None:
     write_all({path: text})
 
 
-def write_all(files: dict[Path, str]) -> None:
+def write_all(files: Mapping[Path, str | bytes]) -> None:
     """Several files, all or none if the write fails, in order if we crash.
 
     Every temp file is written and synced before any is renamed into place,
@@ -42,7 +42,7 @@ def write_all(files: dict[Path, str]) -> None:
                                        dir=path.parent)
             temps.append((tmp, path))
             with os.fdopen(fd, "wb") as f:
-                f.write(text.encode("utf-8"))
+                f.write(text.encode("utf-8") if isinstance(text, str) else text)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, mode)

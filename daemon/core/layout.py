@@ -198,6 +198,25 @@ def parse_runs_path(runs: Path, path: Path) -> ScriptsPath | None:
     return ScriptsPath(parts[0], int(epoch.group(1)), int(step.group(1)), work, episode)
 
 
+_LOSS_FILE = re.compile(r"(.+)_ep(\d{2,})-(\d{2,})(?:_prompt\.md|\.md|\.json)")
+
+
+def parse_loss_file(runs: Path, path: Path) -> SetKey | None:
+    """The set whose report, prompt archive or sidecar `path` is; None otherwise."""
+    try:
+        parts = path.relative_to(runs).parts
+    except ValueError:
+        return None
+    if len(parts) != 5 or parts[1] != LOSS_DIR:
+        return None
+    epoch, step = EPOCH_DIR.fullmatch(parts[2]), STEP_DIR.fullmatch(parts[3])
+    name = _LOSS_FILE.fullmatch(parts[4])
+    if not (epoch and step and name):
+        return None
+    return SetKey(parts[0], int(epoch.group(1)), int(step.group(1)), name.group(1),
+                  int(name.group(2)), int(name.group(3)))
+
+
 # ------------------------------------------------------------------ folders
 # The one symlink policy for the tree's folders: a symlinked run, epoch,
 # step or work folder is never followed (discovery names it once as unusable).

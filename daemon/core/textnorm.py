@@ -13,7 +13,9 @@ Steps, in order:
 1. escapes decoded: HTML entities, \\uXXXX \\UXXXXXXXX \\xHH and the one-letter
    escapes (\\n \\t \\" ...), %XX runs that form UTF-8 characters; repeated
    while anything changes (up to DECODE_LEVELS: `&amp;#x27;`, a JSON string
-   inside a JSON log line). Decoded control characters separate words.
+   inside a JSON log line). Decoded control characters separate words;
+   decoded format characters (`&shy;`) are kept for step 2.
+   Then a soft hyphen at a line's end joins the word across the break.
 2. every non-ASCII character folded on its own: format characters (category
    Cf: zero-width space and joiners, soft hyphen, word joiner, BOM, bidi
    marks) removed -- or, in the second reading, made a word separator;
@@ -22,6 +24,12 @@ Steps, in order:
    stripped (NFKD without combining marks); œ æ ø ł đ ı spelled out.
 3. ASCII lower-cased; words are runs of letters and digits, apostrophes
    joining ("don't" -> "dont").
+4. A reading with markup inside words is read once more with it removed
+   (`_joined`): a backtick, star, underscore or tilde between two letters
+   (grab`bed, gr*abbed, Wouldn`t for Wouldn't), a hyphen at a line's end
+   inside a word. A person reads through them; the split reading stays
+   beside it for words joined by them (what_in_the_world). The claims
+   parser reads statistic names this way too (`words_as_read`).
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
@@ -75,12 +83,18 @@ def _decode(m: re.Match[str]) -> str:
             return _ONE_LETTER.get(s[1], s[1])
         code = int(s[2:].strip("{}"), 16)
         out = chr(code) if code <= 0x10FFFF else " "
-        return out if out.isprintable() else " "
+        return out if _shown(out) else " "
     if s[0] == "&":
         out = html.unescape(s)
     else:
         out = bytes.fromhex(s.replace("%", "")).decode("utf-8", "replace")
-    return "".join(c if c.isprintable() or c == " " else " " for c in out) or " "
+    return "".join(c if _shown(c) else " " for c in out) or " "
+
+
+def _shown(ch: str) -> bool:
+    """Printable, a space, or a format character (&shy; and &#x200B; are the
+    soft hyphen and zero-width space: folding reads them inside a word)."""
+    return ch.isprintable() or ch == " " or unicodedata.category(ch) == "Cf"
 
 
 # Letters that look like Latin ones, mapped to them (lower case: folded after).
@@ -169,6 +183,12 @@ _ASCII_TABLE = bytes(
     (c + 32 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32 for c in range(256)
 )
 _WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
+# Markup a reader does not see inside a word: Markdown's emphasis and code
+# marks, a backtick typed for an apostrophe, a hyphen where a line broke a word.
+_HYPHEN_BREAK = re.compile(r"-\r?\n[ \t]*")
+_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]{0,20}(?:\s[^<>]{0,200})?/?>|<!--.{0,200}?-->", re.S)
+# A soft hyphen where a line breaks (and the spaces around the break).
+_SOFT_BREAK = re.compile(r"\u00ad[ \t]*\r?\n[ \t]*")
 
 
 @dataclass
@@ -185,6 +205,9 @@ class Reading:
     starts: list[int] | None = None
     ends: list[int] | None = None
     tokens: list[str] = field(default_factory=list)
+    # Tokens that differ from the first reading's (None: any may): only the
+    # shingles over them need a look (the markup reading: the joined words).
+    focus: frozenset[int] | None = None
 
     def token_spans(self, wanted: set[int] | None = None) -> dict[int, tuple[int, int]]:
         """(start, end) in the original text of the tokens numbered `wanted` (default all)."""
@@ -251,11 +274,18 @@ def _words(text: str) -> list[str]:
 
 
 def readings(text: str, *, offsets: bool = False) -> list[Reading]:
-    """The readings of `text`: one, or three when it has format characters.
+    """The readings of `text`: one, or three when it has format characters;
+    each once more with mid-word markup joined when it has some (`_joined`).
 
     With offsets=False the origin lists are not built (the check of a clean
-    text needs none); call again with offsets=True to map a hit back.
+    text needs none); call again with offsets=True to map a hit back. The
+    list has the same length and order either way.
     """
+    out = _readings(text, offsets)
+    return out + [j for r in out if (j := _joined(r, offsets)) is not None]
+
+
+def _readings(text: str, offsets: bool) -> list[Reading]:
     starts = ends = None
     decoded, _, _ = _decode_escapes(text, None, None)
     if decoded.isascii() and decoded == text:  # nothing moved: offsets are the text's
@@ -263,6 +293,11 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
     if offsets:
         starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
         decoded, starts, ends = _decode_escapes(text, starts, ends)
+    if "\u00ad" in decoded:  # a soft hyphen at a line's end: the word goes on
+        if starts is None or ends is None:
+            decoded = _SOFT_BREAK.sub("", decoded)
+        else:
+            decoded, starts, ends = _sub(_SOFT_BREAK, _nothing, decoded, starts, ends)
     if decoded.isascii():
         return [Reading(text, decoded, starts, ends, _words(decoded))]
     # Only the non-ASCII runs are looked at: prose and logs are mostly ASCII.
@@ -291,6 +326,111 @@ def readings(text: str, *, offsets: bool = False) -> list[Reading]:
     return out
 
 
+def _nothing(m: re.Match[str]) -> str:
+    return ""
+
+
+def _joined(reading: Reading, offsets: bool) -> Reading | None:
+    """`reading` with markup inside words removed, as a person reads it
+    (None: it has none).
+
+    A backtick, star, underscore or tilde between two letters (grab`bed,
+    gr*abbed, Wouldn`t, gr**ab**bed) and a hyphen at a line's end inside a
+    word (grab-\\nbed) do not split the word for a reader. Nor can a rule
+    tell `what_in_the_world` (words joined) from `grab_bed` (a word split),
+    so this is a second reading beside the one that splits there: a quote
+    found in either counts. `focus`: the joined words, the only ones whose
+    shingles differ from the first reading's.
+    """
+    text = reading.text
+    # One C scan per mark first: most texts have none.
+    if not (any(c in text for c in "`*_~\\<") or "-\n" in text or "-\r\n" in text):
+        return None
+    cuts = _cuts(text)
+    if not cuts:
+        return None
+    parts, pos = [], 0
+    for s, e in cuts:
+        parts.append(text[pos:s])
+        pos = e
+    parts.append(text[pos:])
+    low = "".join(parts)
+    # The first reading splits at each cut (a mark separates words there), so
+    # its words before cut k are those of the parts before it; the two words
+    # at a cut become one (three or more at cuts in a row: gr**ab**bed).
+    # (A tag's own words, <b>, are words of the first reading: skipped.)
+    first = reading.tokens
+    toks: list[str] = []
+    focus: list[int] = []
+    done = words = 0  # first-reading words emitted; words before this cut
+    for part, (s, e) in zip(parts, cuts, strict=False):
+        words += len(_words(part))
+        i = words - 1  # the word before the cut
+        inside = len(_words(text[s:e])) if "<" in text[s:e] else 0
+        words += inside
+        after = i + inside + 1  # the word after it
+        if i < done:  # the cut before ended in this same word: it goes on
+            toks[-1] += first[after]
+        else:
+            toks += first[done:i]
+            toks.append(first[i] + first[after])
+            focus.append(len(toks) - 1)
+        done = after + 1
+    toks += first[done:]
+    starts = ends = None
+    if offsets:
+        starts, ends = reading.starts, reading.ends
+        if starts is None or ends is None:  # the text is the original: identity offsets
+            starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
+        keep_s: list[int] = []
+        keep_e: list[int] = []
+        pos = 0
+        for s, e in [*cuts, (len(text), len(text))]:
+            keep_s += starts[pos:s]
+            keep_e += ends[pos:s]
+            pos = e
+        starts, ends = keep_s, keep_e
+    return Reading(reading.original, low, starts, ends, toks, focus=frozenset(focus))
+
+
+def _cuts(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each run of markup with a letter or digit on both sides:
+    Markdown's marks and its backslash escapes (gr\\_abbed), HTML tags and
+    comments (gr<b>a</b>bbed), a hyphen where a line broke a word.
+
+    str.find per mark (memchr) rather than a regex: sre scans a character
+    class at ~10 ns a character, and a report has a few dozen marks at most.
+    """
+    runs: list[tuple[int, int]] = []
+    for mark in "`*_~\\":
+        i = text.find(mark)
+        while i >= 0:
+            runs.append((i, i + 1))
+            i = text.find(mark, i + 1)
+    for start, pattern in (("-\n", _HYPHEN_BREAK), ("-\r\n", _HYPHEN_BREAK), ("<", _TAG)):
+        i = text.find(start)
+        while i >= 0:
+            if m := pattern.match(text, i):
+                runs.append((i, m.end()))
+            i = text.find(start, i + 1)
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted(runs):  # marks and tags side by side are one run (**, <b><i>)
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    end = len(text)
+    return [(s, e) for s, e in merged
+            if 0 < s and e < end and text[s - 1].isalnum() and text[e].isalnum()]
+
+
+def words_as_read(text: str) -> list[str]:
+    """The words a person reads in `text`: format characters and markup inside
+    words removed (the claims parser's reading of a statistic's name)."""
+    first = _readings(text, False)[0]
+    return (_joined(first, False) or first).tokens
+
+
 def tokens(text: str) -> list[str]:
     """The normalised words of `text` (format characters removed inside words)."""
-    return readings(text)[0].tokens
+    return _readings(text, False)[0].tokens

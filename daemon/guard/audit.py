@@ -12,6 +12,17 @@ whatever the target holds; a link to any other file is scanned as that file
 (its hits are reported under the link's path); a link to a folder is walked
 once (a loop cannot trap the scan).
 
+The audit allows what the guard allows (issue 34), so that a clean run
+audits clean and a hit means something: a report, prompt archive or sidecar
+of a set may hold the text of that set's model episodes (the guard lets a
+report quote the model it judges, and the archive holds them whole), and
+runs of stock lines start nothing (leakguard's rules, shared). A model
+episode is the writer's own text: the loss step sends it as it is unless it
+is a copy of a human episode, and so the audit flags only such a copy
+(`copies`: sha256 of every human episode). Everywhere else, nothing is
+allowed: a quote planted in a report, a log, the state or a stray file is a
+hit.
+
 Files are read in chunks with an overlap, so a 50 MB log costs seconds and
 little memory. A chunk is first tested against the hashed shingles in bulk;
 only a chunk with a hit is tokenised again with offsets to report line and
@@ -34,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core import textnorm
+from ..core import dataset, layout, textnorm
 from ..core.errors import ExitCode
 from . import leakguard
 from .leakguard import HumanIndex
@@ -151,14 +162,14 @@ def _excerpt(text: str) -> str:
 
 
 def _scan_view(
-    view: str, first_line: int, path: Path, indexes: Sequence[HumanIndex]
+    view: str, first_line: int, path: Path, indexes: Sequence[HumanIndex], allow_text: str = ""
 ) -> Iterator[Hit]:
     """Hits in one chunk: bulk hash test first, offsets only on a hit."""
     views = textnorm.readings(view)
     for index in indexes:
         if not any(index.may_match(v.tokens) for v in views):
             continue
-        for leak in leakguard.find_leaks(view, index, views=views):
+        for leak in leakguard.find_leaks(view, index, views=views, allow_text=allow_text):
             yield Hit(
                 file=path,
                 line=first_line + leak.line - 1,
@@ -170,10 +181,11 @@ def _scan_view(
 
 
 def scan_file(path: Path, indexes: Sequence[HumanIndex], *,
-              real: Path | None = None) -> tuple[list[Hit], int]:
+              real: Path | None = None, allow_text: str = "") -> tuple[list[Hit], int]:
     """Hits in one file (deduplicated) and the number of characters read.
 
-    `real`: the file to read when `path` is a symlink to it.
+    `real`: the file to read when `path` is a symlink to it. `allow_text`:
+    text the file may hold (its set's model episodes).
     """
     hits: dict[tuple[int, str, int], Hit] = {}
     chars = 0
@@ -182,7 +194,7 @@ def scan_file(path: Path, indexes: Sequence[HumanIndex], *,
         limit = MAX_GZIP_CHARS if isinstance(f.buffer, gzip.GzipFile) else None
         for first_line, chunk, fresh in _chunks(f, limit):
             chars += fresh
-            for hit in _scan_view(chunk, first_line, path, indexes):
+            for hit in _scan_view(chunk, first_line, path, indexes, allow_text):
                 # The overlap between chunks finds a passage again.
                 key = (hit.line, hit.work, hit.episode)
                 if key not in hits or hits[key].n_words < hit.n_words:
@@ -243,25 +255,33 @@ def _walk(root: Path, data_root: Path | None, result: AuditResult) -> Iterator[_
 
 def scan(root: Path, indexes: Sequence[HumanIndex], *,
          unchanged: Callable[[Path], bool] | None = None,
-         data_root: Path | None = None) -> AuditResult:
+         data_root: Path | None = None,
+         copies: Mapping[str, tuple[str, int]] | None = None) -> AuditResult:
     """Audit every file under root (links followed) against every index.
 
     `unchanged(path)`: True skips a regular file already found clean (the
     daemon's start-up audit keeps a cache of file signatures); a link is
     always read, its target may have changed behind it. `data_root`: links
-    into it are reported in `links`.
+    into it are reported in `links`. `copies`: sha256 of each human episode
+    -> (work, episode); a model episode is flagged only as such a copy.
+    With None, model episodes are read like any other file.
     """
     result = AuditResult()
     if not root.is_dir():
         result.errors.append(f"{root}: not a directory")
         return result
+    allowed = _Allowances(root, copies)
     for entry in _walk(root, data_root, result):
         path = entry.path
         if entry.real is None and unchanged is not None and unchanged(path):
             result.skipped += 1
             continue
         try:
-            hits, chars = scan_file(path, indexes, real=entry.real)
+            if copies is not None and _is_episode(root, path):
+                hits, chars = _copy_of_the_key(path, entry.real, copies)
+            else:
+                hits, chars = scan_file(path, indexes, real=entry.real,
+                                        allow_text=allowed.of(path))
         except _TooLarge as e:
             result.errors.append(
                 f"{path}: decompresses to more than {e.args[0]:,} characters; not fully scanned"
@@ -274,6 +294,59 @@ def scan(root: Path, indexes: Sequence[HumanIndex], *,
         result.chars += chars
         result.hits.extend(hits)
     return result
+
+
+class _Allowances:
+    """The model episodes of the set a report, archive or sidecar belongs to,
+    read once per set ("" for any other file). Not through a symlink, and not
+    a copy of a human episode: the loss step sends neither, so neither makes
+    key text in a report the model's own."""
+
+    def __init__(self, root: Path, copies: Mapping[str, tuple[str, int]] | None) -> None:
+        self.root = root
+        self.copies = copies or {}
+        self._texts: dict[layout.SetKey, str] = {}
+
+    def of(self, path: Path) -> str:
+        key = layout.parse_loss_file(self.root, path)
+        if key is None:
+            return ""
+        if key not in self._texts:
+            scripts = key.scripts_dir(self.root)
+            texts = []
+            for n in range(key.first, key.last + 1):
+                episode = scripts / dataset.episode_name(n)
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    if not episode.is_symlink():
+                        text = episode.read_text("utf-8")
+                        if dataset.sha256_text(text) not in self.copies:
+                            texts.append(text)
+            self._texts[key] = "\n".join(texts)
+        return self._texts[key]
+
+
+def _is_episode(root: Path, path: Path) -> bool:
+    found = layout.parse_runs_path(root, path)
+    return found is not None and found.episode is not None
+
+
+def _copy_of_the_key(path: Path, real: Path | None,
+                     copies: Mapping[str, tuple[str, int]]) -> tuple[list[Hit], int]:
+    """A model episode: a hit only when it is a copy of a human episode."""
+    with contextlib.ExitStack() as stack:
+        text = _open_text(real or path, stack).read()
+    found = copies.get(dataset.sha256_text(text))
+    if found is None:
+        return [], len(text)
+    work, episode = found
+    return [Hit(file=path, line=1, work=work, episode=episode, n_words=len(text.split()),
+                excerpt=f"(a copy of {work} {dataset.episode_name(episode)})")], len(text)
+
+
+def human_copies(works: Mapping[str, Mapping[int, str]]) -> dict[str, tuple[str, int]]:
+    """sha256 of every human episode -> (work, episode), for `scan(copies=...)`."""
+    return {dataset.sha256_text(text): (work, n)
+            for work, episodes in works.items() for n, text in episodes.items()}
 
 
 def format_hits(hits: Sequence[Hit], root: Path | None = None) -> str:
@@ -313,7 +386,7 @@ def run(runs_root: Path, works: Mapping[str, Mapping[int, str]], as_json: bool,
     indexes = [
         leakguard.index_for(work, episodes) for work, episodes in sorted(works.items()) if episodes
     ]
-    result = scan(runs_root, indexes, data_root=data_root)
+    result = scan(runs_root, indexes, data_root=data_root, copies=human_copies(works))
     if not indexes:
         result.errors.append("no human episodes to audit against (is [paths] data right?)")
     if as_json:

@@ -120,6 +120,26 @@ class _Allowed:
                    frozenset(shingle_hashes(toks, index.long_n)))
 
 
+_recent_allowed: dict[tuple[str, int, str], _Allowed] = {}
+_RECENT_ALLOWED = 8
+_recent_lock = threading.Lock()
+
+
+def _allowed(text: str, index: HumanIndex) -> _Allowed:
+    """_Allowed.of, for the last few (text, index): a loss job checks its
+    report, archive and sidecar with the same model episodes allowed (the
+    str caches its hash, so the lookup costs nothing after the first)."""
+    key = (index.digest, index.n, text)
+    found = _recent_allowed.get(key)
+    if found is None:
+        found = _Allowed.of(text, index)
+        with _recent_lock:  # the job pool's threads share it
+            while len(_recent_allowed) >= _RECENT_ALLOWED:
+                _recent_allowed.pop(next(iter(_recent_allowed)))
+            _recent_allowed[key] = found
+    return found
+
+
 def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "",
                views: Sequence[Reading] | None = None) -> list[Leak]:
     """Every span of `text` that reproduces the indexed human text, in order.
@@ -130,7 +150,7 @@ def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "",
     """
     if views is None:
         views = textnorm.readings(text)
-    return _find(text, views, index, lambda: _Allowed.of(allow_text, index))
+    return _find(text, views, index, lambda: _allowed(allow_text, index))
 
 
 def _find(text: str, views: Sequence[Reading], index: HumanIndex,
@@ -140,7 +160,7 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
     spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
     allowed: _Allowed | None = None
     for k, view in enumerate(views):
-        hashes = shingle_hashes(view.tokens, index.n)
+        hashes = _hashes(view, index.n, index.long_n)
         if index.episode_of.keys().isdisjoint(hashes):
             continue  # the common case: no offsets needed
         allowed = allowed or allow()
@@ -155,6 +175,22 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
                   for first, last, episode in found]
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
             for s, e, ep, w in _merge_spans(spans)]
+
+
+def _hashes(view: Reading, n: int, long_n: int) -> list[int]:
+    """The view's shingle hashes; for a view with a focus (textnorm: the
+    markup reading), only the windows whose long run (rule 1) holds a focus
+    word, the rest -1 (no hash is -1 in CPython: never a hit). Every other
+    window holds words the first reading has in the same order, and that
+    reading is read whole."""
+    if view.focus is None:
+        return shingle_hashes(view.tokens, n)
+    toks = view.tokens
+    out = [-1] * max(0, len(toks) - n + 1)
+    for first in sorted({i for f in view.focus
+                         for i in range(max(0, f - long_n + 1), min(len(out) - 1, f) + 1)}):
+        out[first] = hash(tuple(toks[first:first + n]))
+    return out
 
 
 def _token_spans(toks: Sequence[str], hashes: Sequence[int], index: HumanIndex,

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import textnorm
 from .craft_measuring import ScreenplayStats
 from .craft_metrics import METRICS, Metric
 
@@ -54,6 +55,11 @@ _BY_NAME: dict[str, Metric] = {
     **{m.key: m for m in METRICS},
     **{m.label.lower(): m for m in METRICS},
 }
+# A statistic by how a reader reads its key or its label: words joined.
+_BY_READING: dict[str, Metric] = {
+    "".join(textnorm.words_as_read(name)): m for name, m in _BY_NAME.items()}
+# An unknown statistic's name is kept (not checkable) up to this many words.
+UNKNOWN_NAME_WORDS = 4
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s*(.*?)\s*#*\s*$")
 _SECTION = re.compile(rf"^\**{SECTION}\**\s*:?$", re.IGNORECASE)
 _BULLET = re.compile(r"^(?:[-*+•]|\d+[.)])\s+")
@@ -171,19 +177,32 @@ def read_claims(report: str) -> ClaimList:
 
 
 def _read_line(line: str, number: int) -> Claim | str:
-    """One `statistic: direction` line, or why it is not one."""
-    text = _BULLET.sub("", line).replace("`", "").replace("*", "").strip()
-    name, colon, rest = text.partition(":")
+    """One `statistic: direction` line, or why it is not one.
+
+    Read through the guard's normalisation (textnorm), as a person reads it:
+    `speech_words_mean`, **Speech words mean** and spee&#96;ch_words_mean
+    name one statistic. What is kept is the statistic's key from the facts
+    table, or, for a name the table lacks, its first words (at most
+    UNKNOWN_NAME_WORDS): never more of the line than a name, so no passage of
+    a report reaches the sidecar through a claim (issue 34).
+    """
+    name, colon, rest = _BULLET.sub("", line).partition(":")
     if not colon:
         return "not 'statistic: higher|lower|similar'"
-    words = re.findall(r"[a-z]+", rest.lower())
+    words = textnorm.words_as_read(rest)
     direction = words[0] if words else ""
     if direction not in DIRECTIONS:
         return "the direction must be higher, lower or similar"
-    statistic = " ".join(name.split()).lower()
-    if not statistic:
+    read = textnorm.words_as_read(name)
+    if not read:
         return "no statistic named"
-    return Claim(statistic=statistic, direction=direction, line=number)
+    metric = _BY_READING.get("".join(read))
+    if metric is not None:
+        return Claim(statistic=metric.key, direction=direction, line=number)
+    split = textnorm.tokens(name)
+    if len(split) > UNKNOWN_NAME_WORDS:
+        return "not a statistic of the facts table, nor a name"
+    return Claim(statistic="_".join(split), direction=direction, line=number)
 
 
 # --------------------------------------------------------------- checking

@@ -331,8 +331,8 @@ def _says_live(path: Path) -> bool:
 
 def write_cancel_file(runs: Path, run: str, *, live: bool) -> Path:
     """`skilltrain batch cancel RUN`: the daemon cancels at its next look (a second)."""
-    from ..core import atomic
+    from ..guard import sealed_write
 
     path = runs / run / layout.CANCEL_BATCH
-    atomic.write_text(path, "live\n" if live else "")
+    sealed_write.write_text(path, "live\n" if live else "")
     return path

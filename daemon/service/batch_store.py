@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import atomic, layout
+from ..guard import sealed_write
 
 SCHEMA = 1
 SUBMITTING, OPEN, CANCELLING = "submitting", "open", "cancelling"
@@ -89,7 +90,7 @@ def record_path(runs: Path, rec: BatchRecord) -> Path:
 
 def save(runs: Path, rec: BatchRecord) -> None:
     """Durable when it returns (fsync of the file and of its folder)."""
-    atomic.write_text(record_path(runs, rec), json.dumps(rec.as_json(), indent=1) + "\n")
+    sealed_write.write_text(record_path(runs, rec), json.dumps(rec.as_json(), indent=1) + "\n")
 
 
 def remove(runs: Path, rec: BatchRecord) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..core import config, dataset, layout, run_toml
-from ..core.errors import RefusedError
+from ..core.errors import ConfigError, RefusedError
 from ..guard import leakguard
 from ..infra.state import StateStore
 
@@ -30,15 +30,40 @@ class Discovery:
         self.runs = cfg.paths.runs
         self.state = state
         self.emit = emit
-        self.works: dict[str, dataset.Work] = {}  # data/<work>/human/, read at start
+        self.works: dict[str, dataset.Work] = {}  # data/<work>/human/: at start, then on change
+        self._data_signature: tuple[tuple[str, int], ...] | None = None
         self._named: set[str] = set()  # "<path>: <reason>" already logged
         self._noticed_this_scan: set[str] = set()
 
     def load_works(self) -> None:
-        """Read data/ once, at start."""
+        """Read data/ at start (a bad work.toml is a ConfigError: exit 2)."""
+        self._data_signature = _data_signature(self.cfg.paths.data)
         self.works = dataset.discover_works(self.cfg.paths.data)
         if not self.works:
             self.emit("daemon.no_works", level="warning", data_dir=str(self.cfg.paths.data))
+
+    def refresh_works(self) -> bool:
+        """Read data/ again if its works changed (one scandir and a stat per
+        work when not); True when the works changed. A work added while the
+        daemon runs is then scored without a restart, as its key is guarded
+        (leakguard_live). A work.toml gone bad keeps the works as they were."""
+        signature = _data_signature(self.cfg.paths.data)
+        if signature == self._data_signature:
+            return False
+        try:
+            works = dataset.discover_works(self.cfg.paths.data)
+        except ConfigError as e:
+            self.ignore(self.cfg.paths.data, f"data/ not re-read: {e}", event="works.unreadable")
+            return False
+        self._data_signature = signature
+        if works.keys() == self.works.keys() and all(
+                works[n].explicit_ranges == self.works[n].explicit_ranges
+                and works[n].title == self.works[n].title for n in works):
+            return False
+        added = sorted(works.keys() - self.works.keys())
+        self.works = works
+        self.emit("works.reloaded", works=len(works), added=added)
+        return True
 
     # ------------------------------------------------------------------ a scan
     def begin_scan(self) -> None:
@@ -52,6 +77,7 @@ class Discovery:
 
     def steps(self) -> Iterator[tuple[layout.StepKey, list[layout.SetKey]]]:
         """Every step folder under runs/ with the sets it is expected to have."""
+        self.refresh_works()
         self._report_linked_folders(self.runs)
         for run in layout.run_dirs(self.runs):
             if self._quotes_the_key(run.name):
@@ -78,8 +104,11 @@ class Discovery:
         if self._quotes_the_key(step.run):
             return
         step_dir = step.step_dir(self.runs)
+        names = layout.subdir_names(step_dir)
+        if any(name not in self.works for name in names) and self.refresh_works():
+            works = None  # the run's works as data/ holds them now
         works = works if works is not None else self.expected_works(step.run)
-        for name in layout.subdir_names(step_dir):
+        for name in names:
             if name not in self.works:
                 self.ignore(step_dir / name, "unknown work (no data/<work>/human/)")
             elif all(work.name != name for work in works):
@@ -147,6 +176,25 @@ class Discovery:
                     self.ignore(work.human_dir, f"range {dataset.format_range(first, last)} "
                                 f"can never be reported: human {names} missing",
                                 event="work.range_incomplete")
+
+
+def _data_signature(data: Path) -> tuple[tuple[str, int], ...]:
+    """data/'s work folders with their human/ and work.toml mtimes (0: absent)."""
+    found = []
+    try:
+        entries = sorted(os.scandir(data), key=lambda e: e.name)
+    except OSError:
+        return ()
+    for entry in entries:
+        mtimes = []
+        for name in ("human", "work.toml"):
+            try:
+                mtimes.append(os.stat(os.path.join(entry.path, name)).st_mtime_ns)
+            except OSError:
+                mtimes.append(0)
+        if mtimes[0]:
+            found.append((entry.name, mtimes[0] ^ mtimes[1]))
+    return tuple(found)
 
 
 def quotes_the_key(run: str) -> bool:

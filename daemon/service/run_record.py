@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core import atomic, config, layout
+from ..core import config, layout
 from ..core.errors import ConfigError
+from ..guard import sealed_write
 
 START, PAUSE, RETRY = layout.START, layout.PAUSE, layout.RETRY
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -72,7 +73,7 @@ def write(runs: Path, run: str, rec: RunRecord) -> None:
     rec.updated_at = time.time()
     data = asdict(rec)
     data["phase"] = rec.phase.value
-    atomic.write_text(record_path(runs, run), json.dumps(data) + "\n")
+    sealed_write.write_text(record_path(runs, run), json.dumps(data) + "\n")
 
 
 def describe(rec: RunRecord) -> str:
@@ -123,7 +124,7 @@ def start_main(config_path: Path | None, run: str, out: Any = sys.stdout) -> int
               file=out)
         return 1
     run_dir.mkdir(parents=True, exist_ok=True)
-    layout.control_file(runs, run, START).touch()
+    sealed_write.write_text(layout.control_file(runs, run, START), "")
     print(f"{run}: requested; the daemon starts the writer for epoch 0 step 0", file=out)
     return 0
 

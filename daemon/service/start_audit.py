@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ..core import atomic, dataset, layout
-from ..guard import audit, leakguard
+from ..core import dataset, layout
+from ..guard import audit, leakguard, sealed_write
 
 CACHE = "audit-cache.json"  # in runs/.skilltrain/
 
@@ -44,7 +44,8 @@ def audit_runs(runs: Path, works: Mapping[str, dataset.Work], data_root: Path,
         new[str(path)] = [st.st_size, st.st_mtime_ns, st.st_ino]
         return old.get(str(path)) == new[str(path)]
 
-    result = audit.scan(runs, indexes, unchanged=unchanged, data_root=data_root)
+    result = audit.scan(runs, indexes, unchanged=unchanged, data_root=data_root,
+                        copies=audit.human_copies(human))
     for link in result.links:
         emit("audit.link", level="error", file=str(link.file), target=str(link.target))
     for error in result.errors:
@@ -57,7 +58,7 @@ def audit_runs(runs: Path, works: Mapping[str, dataset.Work], data_root: Path,
              work=hit.work, episode=hit.episode, n_words=hit.n_words)
     new.pop(str(cache_path), None)
     with contextlib.suppress(OSError):
-        atomic.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
+        sealed_write.write_text(cache_path, json.dumps({"keys": keys_digest, "files": new}))
     emit("audit.completed", level="warning" if result.hits or result.links else "info",
          files=result.files, skipped=result.skipped, leaks=len(result.hits),
          links=len(result.links), errors=len(result.errors),

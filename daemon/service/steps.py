@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from ...handlers import detached, optimizer
-from ..core import atomic, backoff, config, layout
+from ..core import backoff, config, layout
 from ..core.errors import ConfigError
+from ..guard import sealed_write
 from ..infra import log
 from ..infra.state import SetState, StateStore, StepRecord
 from . import curve
@@ -190,7 +191,7 @@ class Steps:
             payload = json.dumps(asdict(rec)) if rec else None
         if payload is not None:
             try:
-                atomic.write_text(self._marker(step), payload + "\n")
+                sealed_write.write_text(self._marker(step), payload + "\n")
             except OSError as e:
                 self.emit("step.marker_failed", level="warning", step=step.id,
                           error=e.strerror or type(e).__name__)

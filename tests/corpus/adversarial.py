@@ -76,6 +76,24 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "\\x escapes": lambda s: "".join(f"\\x{ord(c):02x}" if ord(c) < 256 else c for c in s),
     "URL-encoded": urllib.parse.quote,
     "URL-encoded, every byte": lambda s: "".join(f"%{b:02X}" for b in s.encode()),
+    # Markup inside words (issue 34): a reader does not see it, a scanner that
+    # splits words there does.
+    "backtick inside": _inside("`"),
+    "star inside": _inside("*"),
+    "bold inside": lambda s: re.sub(r"\b(\w\w)(\w\w)(\w+)", r"\1**\2**\3", s),
+    "underscore inside": _inside("_"),
+    "tilde inside": _inside("~"),
+    "backtick for apostrophe": lambda s: _inside("`")(s.replace("'", "`")),
+    "combining mark inside": _inside("\u0301"),
+    "HTML backtick inside": _inside("&#96;"),
+    "soft hyphen at line breaks": lambda s: re.sub(
+        r"\b(\w\w)(\w\w+)", lambda m: m.group(1) + "\u00ad\n" + m.group(2), s),
+    "hyphen at line breaks": lambda s: re.sub(
+        r"\b(\w\w)(\w\w+)", lambda m: m.group(1) + "-\n" + m.group(2), s),
+    "backtick inside, line-wrapped": lambda s: re.sub(r"(\S+ \S+ \S+) ", r"\1\n",
+                                                      _inside("`")(s)),
+    "HTML tags inside": _inside("<b></b>"),
+    "Markdown escape inside": _inside("\\_"),
 }
 
 

@@ -1,0 +1,162 @@
+"""The one writer of files under runs/: the guard reads the exact final text.
+
+Rule 1 held only as long as nothing changed text after the leak guard had
+read it; the claims parser did (issue 34: it stripped the backticks the
+guard had split words at, and saved the rejoined key line in the sidecar).
+So the check happens here, at the last moment, on what is written: the
+report after its annotation, the sidecar after json.dumps, the archive as
+rendered, a marker or record as serialised. The text is encoded to the
+bytes that go to disk and those bytes, decoded, are what the guard reads.
+Whatever transformed the text before, the guard has the last word.
+
+A hit here is never redacted: redaction belongs to the loss step, before
+the claims are read; a passage found in the final text means something put
+it back after that, and cutting into serialised JSON could break it. So it
+refuses (SealRefused, a RefusedError): nothing of the call is written.
+
+Which key: a loss job's files are checked against its work's key with the
+model's own episodes allowed (`Seal`, the guard's rule for reports); every
+other file under runs/ against every work's installed key with nothing
+allowed (`write_text`). tests/test_structure.py finds any other writer.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core import atomic
+from ..core.errors import RefusedError
+from . import leakguard
+from .leakguard import HumanIndex
+
+
+class SealRefused(RefusedError):
+    """Raised when the final text of a file for runs/ holds answer-key text."""
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A prompt archive as the loss step renders it: the template's own text
+    (`skeleton`, with `slot` where the model's episodes go) and the block.
+
+    `text` is what is written. When it is the skeleton with the block pasted
+    in, only the skeleton's pieces are read, each with the block's edges
+    beside it (the block is the model's own text, allowed, and most of the
+    archive: bench/RESULTS.md, issue 14). Otherwise the whole text is read.
+    """
+
+    text: str
+    skeleton: str
+    slot: str
+    block: str
+
+
+@dataclass
+class Seal:
+    """One work's key, and the text that may be quoted (the model's episodes).
+
+    A text this seal found clean is remembered (`_clean`): written as it is,
+    or with text appended (a report and its annotation), only what is new is
+    read again, with the words before it (the guard's cost per report stays
+    one reading of the report: bench/RESULTS.md, issue 34).
+    """
+
+    index: HumanIndex
+    allow_text: str = ""
+    _clean: list[str] = field(default_factory=list, repr=False)
+
+    def find(self, text: str) -> list[leakguard.Leak]:
+        """The guard's reading of `text` (leakguard.find_leaks); clean: remembered."""
+        found = leakguard.find_leaks(text, self.index, allow_text=self.allow_text)
+        if not found:
+            self._clean.append(text)
+        return found
+
+    def leaks(self, text: str) -> int:
+        """Passages of the key in `text` as it will be written."""
+        if text in self._clean:
+            return 0
+        base = max((c for c in self._clean if text.startswith(c)), key=len, default="")
+        if base:  # what was appended, with the words before it (a passage across the seam)
+            added = text[len(base):]
+            if added.isspace():  # a final newline: no word, nothing after to join
+                return 0
+            text = _edges(base, self.index.long_n)[1] + added
+        return len(leakguard.find_leaks(text, self.index, allow_text=self.allow_text))
+
+    def archive_leaks(self, archive: Archive) -> bool:
+        """Does the archive hold key text outside the model's episodes?"""
+        if archive.text in self._clean:
+            return False
+        found = self._archive_leaks(archive)
+        if not found:
+            self._clean.append(archive.text)
+        return found
+
+    def _archive_leaks(self, archive: Archive) -> bool:
+        pieces = archive.skeleton.split(archive.slot)
+        if len(pieces) == 1 or archive.block.join(pieces) != archive.text:
+            return bool(leakguard.find_leaks(archive.text, self.index,
+                                             allow_text=archive.block))
+        head, tail = _edges(archive.block, self.index.long_n)
+        for k, piece in enumerate(pieces):
+            text = (tail if k > 0 else "") + piece + (head if k < len(pieces) - 1 else "")
+            # The whole block is allowed; its shingles are built only on a hit.
+            if leakguard.find_leaks(text, self.index, allow_text=archive.block):
+                return True
+        return False
+
+
+def _edges(block: str, words: int) -> tuple[str, str]:
+    """The text's first and last characters holding more than `words` words each
+    (one more: a cut may split a word or an escape at the far end)."""
+    size = 256
+    while True:
+        head, tail = block[:size], block[-size:]
+        if size >= len(block) or min(len(leakguard.tokens(head)),
+                                     len(leakguard.tokens(tail))) > words:
+            return head, tail
+        size *= 4
+
+
+def _final(text: str) -> tuple[bytes, str]:
+    """The bytes written, and the text the guard reads: those bytes decoded."""
+    data = text.encode("utf-8")
+    return data, data.decode("utf-8")
+
+
+def write_all(files: Mapping[Path, str | Archive], seal: Seal) -> None:
+    """A loss job's files, all or none (atomic.write_all: in order, the commit
+    marker last), each checked in its final form first.
+
+    Raises SealRefused naming the file; nothing is written then.
+    """
+    out: dict[Path, bytes] = {}
+    for path, content in files.items():
+        if isinstance(content, Archive):
+            data, final = _final(content.text)
+            found = seal.archive_leaks(Archive(final, content.skeleton, content.slot,
+                                               content.block))
+        else:
+            data, final = _final(content)
+            found = seal.leaks(final) > 0
+        if found:
+            raise SealRefused(f"{path.name} would hold answer-key text of "
+                              f"{seal.index.work} in its final form; nothing written")
+        out[path] = data
+    atomic.write_all(out)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Any other file under runs/ (a step marker, a loop or batch record, a
+    control file, a cache), checked against every installed key.
+
+    With no keys installed (a command run outside the daemon) there is no
+    key to hold it against, and the text is written as it is.
+    """
+    data, final = _final(text)
+    keys = leakguard.installed()
+    if keys is not None and keys.leaks(final):
+        raise SealRefused(f"{path.name} would hold answer-key text; not written")
+    atomic.write_all({path: data})
