@@ -192,6 +192,8 @@ class Results:
         in the state, so a restart goes on counting), which waits the loss jobs'
         backoff, or gives up at [loss] max_attempts like a call that keeps failing."""
         gave_up = 0
+        # One wait per count: the sets of a refused batch go back together (one batch).
+        waits: dict[int, float] = {}
         for item in rec.items:
             key = layout.SetKey.parse(item.set_id)
             if key is None:
@@ -202,7 +204,9 @@ class Results:
                 retry_at = None
                 reason = f"gave up after {refused} batches the provider did not accept: {error}"
             else:
-                retry_at = self.clock() + backoff.loss_job(self.cfg).delay_s(refused)
+                if refused not in waits:
+                    waits[refused] = backoff.loss_job(self.cfg).delay_s(refused)
+                retry_at = self.clock() + waits[refused]
                 reason = f"the provider did not accept its batch ({error}); sent again soon"
             self._decided(item.set_id, Decision.write(
                 SetState.FAILED, reason=reason, attempts=refused, next_retry_at=retry_at,
