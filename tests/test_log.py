@@ -172,6 +172,17 @@ def test_long_exception_text_is_capped(log_file: Path) -> None:
     assert len(value) < 1100 and value.endswith("[4000 chars cut]")
 
 
+def test_long_exception_text_is_capped_on_the_console_too(log_file: Path) -> None:
+    """The console runs the JSON sink's chain (one list): the cut too."""
+    tty = FakeTTY()
+    configure(log_file=log_file, stderr=tty, stderr_format="console")
+    try:
+        raise RuntimeError("x" * 5000)
+    except RuntimeError:
+        get_logger().exception("loss.failed")
+    assert "chars cut]" in tty.getvalue() and "x" * 1100 not in tty.getvalue()
+
+
 def test_secrets_are_scrubbed_everywhere(log_file: Path, monkeypatch: pytest.MonkeyPatch,
                                          answer_keys: None) -> None:
     # A configured key with no telltale shape: only its value identifies it.

@@ -88,14 +88,22 @@ _structlog_ready = False
 
 
 def _cap_exception_text(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
-    """Cap `exc_value`: a provider's error may echo a long span of the prompt back."""
-    for stack in event_dict.get("exception") or ():
+    """Cap `exc_value`: a provider's error may echo a long span of the prompt back.
+    (A traceback rendered to text, as the console has it: each line of it.)"""
+    exception = event_dict.get("exception")
+    if isinstance(exception, str):
+        event_dict["exception"] = "\n".join(_cap(line) for line in exception.split("\n"))
+        return event_dict
+    for stack in exception or ():
         if isinstance(stack, dict) and isinstance(stack.get("exc_value"), str):
-            value = stack["exc_value"]
-            if len(value) > _MAX_EXC_VALUE:
-                cut = len(value) - _MAX_EXC_VALUE
-                stack["exc_value"] = f"{value[:_MAX_EXC_VALUE]}... [{cut} chars cut]"
+            stack["exc_value"] = _cap(stack["exc_value"])
     return event_dict
+
+
+def _cap(value: str) -> str:
+    if len(value) <= _MAX_EXC_VALUE:
+        return value
+    return f"{value[:_MAX_EXC_VALUE]}... [{len(value) - _MAX_EXC_VALUE} chars cut]"
 
 
 # ------------------------------------------------------------------ the answer key
@@ -214,17 +222,22 @@ def _configure_structlog() -> None:
     _structlog_ready = True
 
 
+def _guarded(render_exception: Processor) -> list[Processor]:
+    """What every sink runs before it renders, in this order: a library's record
+    withheld, the traceback rendered, credentials scrubbed, a long error cut
+    (after scrubbing: a cut must not split a key in two), the answer key sealed
+    (last: it sees exactly the text that is written)."""
+    return [_withhold_library_records, structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            render_exception, scrub_secrets, _cap_exception_text, _seal_answer_key]
+
+
 def _json_formatter() -> logging.Formatter:
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=_shared_processors(),
         processors=[
-            _withhold_library_records,
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             # Locals off: a frame's locals would carry the prompt and the API key.
-            structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
-            scrub_secrets,
-            _cap_exception_text,  # after scrubbing: a cut must not split a key in two
-            _seal_answer_key,  # last: it sees exactly the text that is written
+            *_guarded(structlog.processors.ExceptionRenderer(
+                ExceptionDictTransformer(show_locals=False))),
             _order_keys,
             structlog.processors.JSONRenderer(ensure_ascii=False),
         ],
@@ -235,13 +248,9 @@ def _console_formatter() -> logging.Formatter:
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=_shared_processors(),
         processors=[
-            _withhold_library_records,
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            # Render the traceback to text here (stdlib format: no locals) so the
-            # scrubber sees it before ConsoleRenderer prints it.
-            structlog.processors.format_exc_info,
-            scrub_secrets,
-            _seal_answer_key,
+            # The traceback as text (stdlib format: no locals), so the scrubber,
+            # the cut and the seal see it before ConsoleRenderer prints it.
+            *_guarded(structlog.processors.format_exc_info),
             structlog.dev.ConsoleRenderer(colors=True),
         ],
     )
