@@ -556,3 +556,13 @@ def test_tail_does_not_import_litellm() -> None:
         "assert 'litellm' not in sys.modules, 'log imported litellm'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_run_total_keeps_cache_writes_like_the_state_does() -> None:
+    """The tally's spend is the state's RunSpend: cache writes (Anthropic) are not dropped."""
+    from skilltrain.daemon.commands.tail_tally import Tally
+
+    tally = Tally()
+    tally.update({"event": "cost.total", "run": "r1", "tokens_in": 10, "tokens_out": 2,
+                  "tokens_cached": 0, "tokens_cache_write": 40, "cost_usd": 0.5})
+    assert tally.run_line("r1") == "r1  in=10 out=2 cached=0 cache_write=40 $0.5000"

@@ -111,7 +111,8 @@ def _rest(rec: Record, *skip: str) -> list[str]:
     return [_kv(k, v) for k, v in rec.items() if k not in _PLACED and k not in skip]
 
 
-def _tokens(rec: Record) -> str:
+def tokens_text(rec: Record) -> str:
+    """`in=.. out=.. cached=..` (`cache_write=..` when there are some): an event, a spend."""
     return " ".join(
         f"{k}={rec[f'tokens_{k}']}"
         for k in ("in", "out", "cached", "cache_write")
@@ -121,7 +122,7 @@ def _tokens(rec: Record) -> str:
 
 
 def _f_loss_completed(rec: Record) -> list[str]:
-    parts = [_tokens(rec), usd(rec.get("cost_usd")), _secs(rec.get("duration_ms"))]
+    parts = [tokens_text(rec), usd(rec.get("cost_usd")), _secs(rec.get("duration_ms"))]
     if rec.get("leaks_redacted"):
         parts.append(f"leaks_redacted={rec['leaks_redacted']}")
     if isinstance(rec.get("attempts"), int) and rec["attempts"] > 1:
@@ -202,7 +203,7 @@ def _f_budget_reached(rec: Record) -> list[str]:
 
 
 def _f_cost_total(rec: Record) -> list[str]:
-    return [_tokens(rec), usd(rec.get("cost_usd"))]
+    return [tokens_text(rec), usd(rec.get("cost_usd"))]
 
 
 def _f_audit_leak(rec: Record) -> list[str]:

@@ -11,10 +11,11 @@ cost the whole run.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .tail_format import Record, usd
+from ..infra.state import RunSpend
+from .tail_format import Record, tokens_text, usd
 
 StepKey = tuple[str, int, int]
 
@@ -30,24 +31,26 @@ STATE_OF = {
 _STATES = ("done", "running", "queued", "failed", "refused")
 
 
-@dataclass
-class RunCost:
-    """Tokens and dollars of a run or of one step (the same fields)."""
+_TOKENS = ("tokens_in", "tokens_out", "tokens_cached", "tokens_cache_write")
 
-    tokens_in: int = 0
-    tokens_out: int = 0
-    tokens_cached: int = 0
-    cost_usd: float = 0.0
 
-    def add(self, rec: Record) -> None:
-        self.tokens_in += _int(rec.get("tokens_in"))
-        self.tokens_out += _int(rec.get("tokens_out"))
-        self.tokens_cached += _int(rec.get("tokens_cached"))
-        self.cost_usd += _float(rec.get("cost_usd"))
+def _spend_of(rec: Record) -> RunSpend:
+    """A `cost.total` event as the run's spend (the state's own record of it)."""
+    spend = RunSpend(cost_usd=_float(rec.get("cost_usd")))
+    _add(spend, rec, cost=False)
+    return spend
 
-    def text(self) -> str:
-        return (f"in={self.tokens_in} out={self.tokens_out} cached={self.tokens_cached} "
-                f"{usd(self.cost_usd)}")
+
+def _add(spend: RunSpend, rec: Record, *, cost: bool = True) -> None:
+    """A report's tokens and dollars added to a run's or a step's spend."""
+    for name in _TOKENS:
+        setattr(spend, name, getattr(spend, name) + _int(rec.get(name)))
+    if cost:
+        spend.cost_usd += _float(rec.get("cost_usd"))
+
+
+def _cost_text(spend: RunSpend) -> str:
+    return f"{tokens_text(asdict(spend))} {usd(spend.cost_usd)}"
 
 
 @dataclass
@@ -57,20 +60,15 @@ class Tally:
     replaces what the log's reports add up to)."""
 
     sets: dict[StepKey, dict[tuple[str, str], str]] = field(default_factory=dict)
-    costs: dict[str, RunCost] = field(default_factory=dict)
-    step_costs: dict[StepKey, RunCost] = field(default_factory=dict)
+    costs: dict[str, RunSpend] = field(default_factory=dict)
+    step_costs: dict[StepKey, RunSpend] = field(default_factory=dict)
 
     def update(self, rec: Record) -> None:
         name, run = rec.get("event"), rec.get("run")
         if not isinstance(run, str):
             return
         if name == "cost.total":
-            self.costs[run] = RunCost(
-                _int(rec.get("tokens_in")),
-                _int(rec.get("tokens_out")),
-                _int(rec.get("tokens_cached")),
-                _float(rec.get("cost_usd")),
-            )
+            self.costs[run] = _spend_of(rec)
             return
         state = STATE_OF.get(str(name))
         key = step_key(rec)
@@ -78,8 +76,8 @@ class Tally:
             return
         self.sets.setdefault(key, {})[(str(rec.get("work")), str(rec.get("range")))] = state
         if name == "loss.completed":
-            self.costs.setdefault(run, RunCost()).add(rec)
-            self.step_costs.setdefault(key, RunCost()).add(rec)
+            _add(self.costs.setdefault(run, RunSpend()), rec)
+            _add(self.step_costs.setdefault(key, RunSpend()), rec)
 
     def counts(self, key: StepKey) -> dict[str, int]:
         counts = dict.fromkeys(_STATES, 0)
@@ -93,10 +91,10 @@ class Tally:
         shown = [f"{s} {counts[s]}" for s in _STATES if s != "refused" or counts[s]]
         line = f"== {run}/e{epoch:02d}/s{step:02d}  {'  '.join(shown)}"
         cost = self.step_costs.get(key)
-        return f"{line}  | step {cost.text()}" if cost is not None else line
+        return f"{line}  | step {_cost_text(cost)}" if cost is not None else line
 
     def run_line(self, run: str) -> str:
-        return f"{run}  {self.costs.get(run, RunCost()).text()}"
+        return f"{run}  {_cost_text(self.costs.get(run, RunSpend()))}"
 
     def summary(self, run: str | None = None) -> list[str]:
         lines = [self.step_line(k) for k in sorted(self.sets) if run is None or k[0] == run]
