@@ -1,4 +1,5 @@
-"""The provider's batch API: files and batches, OpenAI-shaped.
+"""The provider's batch API: files and batches, OpenAI-shaped (`api_for` also gives
+Anthropic's Message Batches: anthropic_batches.py, the same calls).
 
     upload (JSONL, in memory) -> create (metadata skilltrain_key) -> retrieve ... -> file content
 
@@ -32,8 +33,13 @@ LIST_PAGE = 100
 LIST_PAGES = 20  # how far back a lost batch is looked for (2,000 batches)
 # Provider statuses after which nothing changes any more.
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
-# Providers whose batches litellm speaks to in the OpenAI shape.
-SUPPORTED_PROVIDERS = frozenset({"openai", "hosted_vllm", "litellm_proxy"})
+# Providers whose batches litellm speaks to in the OpenAI shape; and Anthropic's own.
+OPENAI_SHAPED = frozenset({"openai", "hosted_vllm", "litellm_proxy"})
+SUPPORTED_PROVIDERS = OPENAI_SHAPED | {"anthropic"}
+LIMITS = {"requests": 50_000, "bytes": 200 * 1024 * 1024}  # one batch, the provider's
+# Where the prompts (hence the answer key) stay once a batch has them: said once per run.
+RETENTION = ("the input and output files (the prompts, so the answer key, and the replies) "
+             "are kept in your organization's files until deleted")
 
 
 class BatchAPIError(LLMError):
@@ -77,8 +83,22 @@ def supported(settings: LLMConfig) -> str | None:
         return f"litellm does not know the provider of {settings.model!r}"
     if provider not in SUPPORTED_PROVIDERS:
         return (f"batch mode speaks the OpenAI batch API (openai/..., an OpenAI-compatible "
-                f"api_base); {settings.model!r} is provider {provider!r}")
+                f"api_base) and Anthropic's Message Batches (anthropic/...); "
+                f"{settings.model!r} is provider {provider!r}")
     return None
+
+
+def api_for(settings: LLMConfig) -> BatchAPI:
+    """The batch API of the model's provider (one shape of calls for batch.py)."""
+    try:
+        provider = provider_of(settings)[1]
+    except Exception:
+        provider = "openai"
+    if provider == "anthropic":
+        from .anthropic_batches import AnthropicBatchAPI
+
+        return AnthropicBatchAPI(settings)  # type: ignore[return-value]
+    return BatchAPI(settings)
 
 
 def request_line(custom_id: str, messages: Sequence[llm.Message],
@@ -101,10 +121,23 @@ class BatchAPI:
     construction paid each time). One client, one keep-alive connection.
     """
 
+    LIMITS = LIMITS
+    RETENTION = RETENTION
+    PROVIDER = "openai"
+
     def __init__(self, settings: LLMConfig) -> None:
         self.settings = settings
         self._client: Any = None
         self._lock = threading.Lock()
+
+    @staticmethod
+    def request_line(custom_id: str, messages: Sequence[llm.Message], settings: LLMConfig,
+                     model_name: str) -> str:
+        return request_line(custom_id, messages, settings, model_name)
+
+    @staticmethod
+    def completion(body: dict[str, Any], model: str) -> tuple[llm.Completion, str | None]:
+        return completion(body, model)
 
     def client(self) -> Any:
         with self._lock:
@@ -151,7 +184,7 @@ class BatchAPI:
     def cancel(self, batch_id: str) -> None:
         self._call("cancel", lambda c: c.batches.cancel(batch_id))
 
-    def find(self, key: str) -> str | None:
+    def find(self, key: str, created_after: float, requests: int) -> str | None:
         """The id of the batch we created with metadata skilltrain_key=key, if any."""
         after: str | None = None
         for _ in range(LIST_PAGES):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..core import config, layout, run_toml
 from ..infra import log
-from ..infra.batch_api import FINAL, BatchAPI, BatchAPIError, BatchStatus, supported
+from ..infra.batch_api import FINAL, BatchAPIError, BatchStatus, api_for, supported
 from ..infra.state import SetState, StateStore
 from . import batch_store
 from .batch_results import Results, back
@@ -76,7 +76,7 @@ class Batcher:
         self.stopping = stopping
         self.discovery = discovery  # which sets a step is expected to have
         self.clock = clock
-        self.api = BatchAPI(cfg.llm)
+        self.api = api_for(cfg.llm)
         self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
                                finish_paid=finish_paid, save=self._save, closed=self._closed,
                                clock=wall_clock)

@@ -71,6 +71,7 @@ class Results:
         self.clock = clock  # wall clock: submitted_at and a retry's time are kept
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
+        self._retention_said: set[str] = set()  # runs told where their key now is
         # set id -> the outcome its owner waits on, for each set a record carries
         self._outcomes: dict[str, tuple[Ticket, Outcome]] = {}
 
@@ -136,10 +137,13 @@ class Results:
             custom_id = f"s{n:04d}"
             items.append(BatchItem(custom_id, ticket.key.id, prepared.hashes.as_dict(),
                                    ticket.fp.as_json(), ticket.attempts))
-            lines.append(batch_api.request_line(custom_id, prepared.messages, self.cfg.llm,
-                                                model_name))
-        if not items:
-            return
+            lines.append(self.api.request_line(custom_id, prepared.messages, self.cfg.llm,
+                                               model_name))
+        for chunk in _chunks(items, lines, self.api.LIMITS):
+            self._send(step, [items[i] for i in chunk], [lines[i] for i in chunk], new_record)
+
+    def _send(self, step: layout.StepKey, items: list[BatchItem], lines: list[str],
+              new_record: Callable[[layout.StepKey, list[BatchItem]], BatchRecord]) -> None:
         rec = new_record(step, items)
         self.save(rec)  # recorded before the provider hears of it
         metadata = {"skilltrain_key": rec.key, "skilltrain_step": rec.step}
@@ -163,6 +167,12 @@ class Results:
         for carried in outcomes:
             if carried is not None:
                 carried[1].note(SetState.QUEUED, f"in batch {batch_id}")
+        with self._lock:
+            first = rec.run not in self._retention_said
+            self._retention_said.add(rec.run)
+        if first:  # the answer key now sits at the provider: say where, once
+            self.emit("batch.key_at_provider", run=rec.run, provider=self.api.PROVIDER,
+                      retention=self.api.RETENTION)
         epoch_step = layout.parse_step_id(rec.step) or (None, None)
         self.emit("batch.submitted", run=rec.run, epoch=epoch_step[0], step=epoch_step[1],
                   batch_id=batch_id, sets=len(rec.items), recovered=recovered)
@@ -170,7 +180,7 @@ class Results:
     def resolve_submitting(self, rec: BatchRecord) -> None:
         """A record saved but no batch id: did the provider create it? Adopt or resend."""
         try:
-            batch_id = self.api.find(rec.key)
+            batch_id = self.api.find(rec.key, rec.created_at, len(rec.items))
         except BatchAPIError as e:
             self.emit("batch.error", level="warning", run=rec.run, step=rec.step, error=str(e))
             return
@@ -280,7 +290,7 @@ class Results:
                       body: dict[str, Any]) -> Finish:
         def finish() -> loss.LossResult:
             prepared = self._same_inputs(item, ticket)
-            completion, note = batch_api.completion(body, self.cfg.llm.model)
+            completion, note = self.api.completion(body, self.cfg.llm.model)
             extra: dict[str, Any] = {"mode": "batch", "batch_id": rec.batch_id}
             if note:
                 extra["cost_note"] = note
@@ -328,6 +338,22 @@ class Results:
     def _give_back(self, set_id: str, reason: str) -> None:
         key = layout.SetKey.parse(set_id)
         self._decided(set_id, back(key, reason) if key is not None else NOTHING)
+
+
+def _chunks(items: list[BatchItem], lines: list[str],
+            limits: dict[str, int]) -> list[list[int]]:
+    """The items split into batches within the provider's limits (requests, bytes)."""
+    chunks: list[list[int]] = []
+    size = 0
+    for i, line in enumerate(lines):
+        length = len(line.encode("utf-8")) + 1
+        if not chunks or len(chunks[-1]) >= limits["requests"] \
+                or size + length > limits["bytes"]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += length
+    return chunks
 
 
 def _raiser(error: BaseException) -> Finish:
