@@ -1,6 +1,6 @@
-"""Batch mode against live, one step of 12 sets, same loopback prices.
+"""Batch mode against live, one step of 12 sets, same loopback prices, per provider.
 
-    .venv/bin/python bench/batch_bench.py [--open-s 20] [--poll-s 2]
+    .venv/bin/python bench/batch_bench.py [--provider openai|anthropic] [--open-s 20] [--poll-s 2]
 
 Both halves run the real `skilltrain daemon` as a child process against the
 loopback OpenAI-compatible server of the tests (tests/batch_server.py: chat
@@ -27,10 +27,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+from tests.anthropic_batch_server import AnthropicBatchServer, AnthropicPlan  # noqa: E402
 from tests.batch_server import BatchPlan, BatchServer  # noqa: E402
 from tests.daemon_helpers import DaemonProcess, Workspace, build_workspace  # noqa: E402
 
-MODEL = "openai/gpt-4o-mini"
+# A priced model id of each provider (live and batch prices in litellm's cost map).
+MODELS = {"openai": "openai/gpt-4o-mini", "anthropic": "anthropic/claude-sonnet-4-6"}
+MODEL = MODELS["openai"]
 WORKS = {"alpha": 12, "beta": 12, "gamma": 12}  # 3 episodes a report: 12 sets in the step
 
 
@@ -60,8 +63,27 @@ def cost(ws: Workspace) -> float:
     return sum(s["cost_usd"] or 0.0 for s in sidecars)
 
 
-def live(root: Path, poll_s: float) -> float:
-    with BatchServer() as server:
+def server_for(provider: str, open_s: float) -> Any:
+    if provider == "anthropic":
+        server: Any = AnthropicBatchServer()
+        server.plan = AnthropicPlan(latency_s=open_s)
+    else:
+        server = BatchServer()
+        server.plan = BatchPlan(latency_s=open_s)
+    return server
+
+
+def done_at(server: Any, open_s: float) -> float:
+    """Wall time the server's one batch is done (open_s after its create)."""
+    if isinstance(server, AnthropicBatchServer):
+        (created,) = server.batches.values()
+        return created.created_at + open_s  # its wall clock
+    (created,) = server.batch_list()  # its monotonic clock
+    return time.time() - (time.monotonic() - (created.created_at + open_s))
+
+
+def live(root: Path, poll_s: float, provider: str) -> float:
+    with server_for(provider, 0.0) as server:
         ws = workspace(root, server, "live", poll_s)
         with DaemonProcess(ws, "--once") as d:
             assert d.wait(300) == 0, d.stderr()[-2000:]
@@ -69,15 +91,12 @@ def live(root: Path, poll_s: float) -> float:
         return cost(ws)
 
 
-def batch(root: Path, open_s: float, poll_s: float) -> dict[str, float]:
-    with BatchServer() as server:
-        server.plan = BatchPlan(latency_s=open_s)
+def batch(root: Path, open_s: float, poll_s: float, provider: str) -> dict[str, float]:
+    with server_for(provider, open_s) as server:
         ws = workspace(root, server, "batch", poll_s)
         with DaemonProcess(ws) as d:
             d.wait_event("batch.submitted", 300)
-            (created,) = server.batch_list()
-            # The server's batch is done open_s after its create (its monotonic clock).
-            done_wall = time.time() - (time.monotonic() - (created.created_at + open_s))
+            done_wall = done_at(server, open_s)
             time.sleep(1.0)  # the submit's own work done
             cpu0, polls0, t0 = cpu_s(d.pid), server.polls, time.monotonic()
             while time.monotonic() - t0 < open_s - 2.0:
@@ -95,10 +114,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--open-s", type=float, default=20.0, help="the batch stays open this long")
     parser.add_argument("--poll-s", type=float, default=2.0, help="[llm] batch_poll_s (max 4x)")
+    parser.add_argument("--provider", choices=sorted(MODELS), default="openai")
     args = parser.parse_args()
+    global MODEL
+    MODEL = MODELS[args.provider]
     with TemporaryDirectory() as a, TemporaryDirectory() as b:
-        live_cost = live(Path(a), args.poll_s)
-        got = batch(Path(b), args.open_s, args.poll_s)
+        live_cost = live(Path(a), args.poll_s, args.provider)
+        got = batch(Path(b), args.open_s, args.poll_s, args.provider)
     print(f"12 sets, {MODEL} prices, loopback; batch open {args.open_s:g} s, "
           f"batch_poll_s {args.poll_s:g} (max {args.poll_s * 4:g})")
     print(f"{'figure':<58} {'live':>12} {'batch':>12}")

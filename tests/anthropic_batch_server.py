@@ -103,6 +103,7 @@ class AnthropicBatchServer:
         self.polls = 0
         self.cancels = 0
         self.billed: list[str] = []  # "<batch id>/<custom_id>" of each succeeded request
+        self.live_requests = 0  # POST /v1/messages: the live half of a bench
         self.headers_seen: list[dict[str, str]] = []
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -260,7 +261,11 @@ class _Handler(BaseHTTPRequestHandler):
         owner.headers_seen.append(dict(self.headers))
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        if url.path == "/v1/messages/batches":
+        if url.path == "/v1/messages":  # a live call
+            with owner._lock:
+                owner.live_requests += 1
+            self._json(200, _message({"params": json.loads(raw or b"{}")}))
+        elif url.path == "/v1/messages/batches":
             created = owner.create(json.loads(raw or b"{}"))
             if (hold := owner.plan.hold_after_create) is not None:
                 hold.wait(60)

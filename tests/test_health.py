@@ -200,6 +200,9 @@ def test_a_later_look_never_postpones_an_earlier_pending_one(
     ws.write_step("r1", 1, 1)  # complete, no _SUCCESS: settling for 30 s
     wait_until(lambda: (r := d.daemon.state.get(s.id)) and r.state == "settling", 10,
                message="the set settling")
+    # The scan that found it has ended: its step folder is watched (scoped watches
+    # are set at a scan's end), so the _SUCCESS below is seen.
+    wait_until(lambda: ws.events("scan.completed", sets=1), 10, message="that scan's end")
 
     def pending_in(seconds: float) -> bool:
         job = d.daemon.scheduler.get_job(key.id)
