@@ -194,3 +194,29 @@ def test_the_budget_is_reached_at_its_limit_and_said_once_per_run(tmp_path: Path
     assert [(s["event"], s["run"]) for s in said] == [("budget.reached", "r1")]
     assert budget.hold(KEY) == Decision.write(SetState.HELD, reason=BUDGET_REASON)
     assert not Budget(None, state, lambda *a, **k: None, runs=tmp_path).reached("r1")
+
+
+def test_progress_noted_before_the_owner_listens_is_written_when_it_does(
+        tmp_path: Path) -> None:
+    class Quick(Transport):
+        def send(self, ticket: Ticket) -> Outcome:
+            outcome = super().send(ticket)
+            outcome.note(SetState.RUNNING)  # the transport started before the owner listened
+            return outcome
+
+    bench = Bench(tmp_path)
+    bench.owner.live = Quick()
+    bench.look(SEND)
+    assert bench.state_of() == SetState.RUNNING
+
+
+def test_a_transport_that_cannot_take_the_ticket_ends_the_claim(tmp_path: Path) -> None:
+    class Broken(Transport):
+        def send(self, ticket: Ticket) -> Outcome:
+            raise OSError("no room")
+
+    bench = Bench(tmp_path)
+    bench.owner.live = Broken()
+    with pytest.raises(OSError):
+        bench.look(SEND)
+    assert not bench.owner.held(KEY.id)  # the next look may send it

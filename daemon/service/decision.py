@@ -10,6 +10,7 @@ an item of a provider batch) and comes back as the Decision its outcome is.
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -65,15 +66,22 @@ class Outcome(Future[Decision]):
 
     def __init__(self) -> None:
         super().__init__()
+        self._guard = threading.Lock()
         self._progress: Progress | None = None
+        self._last: tuple[SetState, str | None] | None = None  # noted before a listener
 
     def listen(self, progress: Progress, done: Callable[[Outcome], None]) -> None:
-        self._progress = progress
+        with self._guard:
+            self._progress, last = progress, self._last
+        if last is not None:  # the transport was quicker than the owner: said now
+            progress(*last)
         self.add_done_callback(done)  # type: ignore[arg-type]
 
     def note(self, state: SetState, reason: str | None = None) -> None:
-        if self._progress is not None:
-            self._progress(state, reason)
+        with self._guard:
+            progress, self._last = self._progress, (state, reason)
+        if progress is not None:
+            progress(state, reason)
 
 
 Progress = Callable[[SetState, "str | None"], None]

@@ -108,7 +108,11 @@ class SetOwner:
             self._end(key, decision)
             return
         self._write(key, decision)
-        self._send(decision.send)
+        try:
+            self._send(decision.send)
+        except BaseException:
+            self._end(key, NOTHING)  # not sent: the claim must not outlive it
+            raise
 
     def adopt(self, found: Iterable[tuple[Ticket, Outcome, str]]) -> None:
         """A restart: sets a transport still carries (a provider batch) are claimed
