@@ -19,6 +19,13 @@ concurrency-limits:
 - the limit only grows while the calls actually reach it (a limit nobody
   uses says nothing about the provider).
 
+A key the provider refuses (insufficient_quota, billing, 401/403: llm.py's
+`refused_key`) is not a rate limit: no wait fixes it. It blocks the
+endpoint: one `llm.blocked` event, the calls waiting for a slot and every
+new one refused at once (LLMError with `blocked`, their sets wait: not an
+attempt), and every `probe_s` one small real call (`probe`) asks whether
+the key works again; when it does, `llm.unblocked` and the calls go on.
+
 A call gives its slot back when it ends, also while it waits out a backoff
 (llm.acomplete), and takes one again for its next attempt.
 
@@ -30,15 +37,19 @@ import asyncio
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit
+
+from ..core.errors import LLMError
 
 OnChange = Callable[..., None]  # (event name, **fields)
 SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
 HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
+PROBE_S = 180.0  # a blocked endpoint: one small call this often, to see if the key works again
+Probe = Callable[[], Awaitable[str]]  # llm.probe: "ok", "blocked", "rate_limited", "error"
 
 
 @dataclass
@@ -47,6 +58,7 @@ class Usage:
 
     rate_limited: int = 0
     calls: int = 0
+    blocked: int = 0  # times the endpoint was blocked (a refused key)
 
 
 class Limiter:
@@ -54,7 +66,8 @@ class Limiter:
 
     def __init__(self, endpoint: str, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
                  on_change: OnChange | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 probe: Probe | None = None, probe_s: float = PROBE_S) -> None:
         self.endpoint = endpoint
         self.adaptive = fixed is None
         self.floor, self.ceiling = (fixed, fixed) if fixed is not None else (floor, ceiling)
@@ -71,10 +84,19 @@ class Limiter:
         self._peak = 0  # most calls in flight or waiting since the limit last moved
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
+        # A refused key (quota, billing, auth): why, since when; None while it works.
+        self.blocked: tuple[str, str] | None = None
+        self.blocked_since = 0.0
+        self.probe, self.probe_s = probe, probe_s
+        self._probes = 0
+        self._probe_timer: asyncio.TimerHandle | None = None
+        self._probe_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- slots
     async def acquire(self) -> int:
         """Wait for a slot; the generation it was granted under (give it to release)."""
+        if self.blocked is not None:
+            raise self.refusal()
         self._peak = max(self._peak, self.in_flight + len(self._waiters) + 1)
         if not self._waiters and self._room():
             self.in_flight += 1
@@ -94,11 +116,15 @@ class Limiter:
         return self.generation
 
     def release(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
-                headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
-        """A slot given back. `outcome`: "ok", "rate_limited", "error" or "unused"."""
+                headers: Mapping[str, str] | None = None, tokens: int = 0,
+                blocked: tuple[str, str] | None = None) -> None:
+        """A slot given back. `outcome`: "ok", "rate_limited", "error", "blocked"
+        (with `blocked`: the kind and the provider's words) or "unused"."""
         self.in_flight -= 1
         self.record(generation, outcome, retry_after_s=retry_after_s, headers=headers,
                     tokens=tokens)
+        if outcome == "blocked" and blocked is not None:
+            self.block(*blocked)
         self._wake()
 
     def record(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
@@ -117,6 +143,74 @@ class Limiter:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
             if headers:
                 self._pace(headers)
+
+    # ------------------------------------------------------------- a refused key
+    def refusal(self) -> LLMError:
+        """What a call of a blocked endpoint is refused with (its set waits)."""
+        assert self.blocked is not None
+        kind, said = self.blocked
+        return LLMError(f"the provider refuses the API key ({kind}): no call to "
+                        f"{self.endpoint} until it works again (probed every "
+                        f"{self.probe_s:g}s): {said}", blocked=kind)
+
+    def block(self, kind: str, said: str) -> None:
+        """The provider refused the key: no new call until a probe passes. One event."""
+        if self.blocked is not None:
+            return
+        self.blocked, self.blocked_since = (kind, said), self.clock()
+        self.usage.blocked += 1
+        self._probes = 0
+        self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind,
+                       reason=said, probe_s=self.probe_s, in_flight=self.in_flight,
+                       waiting=len(self._waiters))
+        error = self.refusal()
+        while self._waiters:  # their sets wait too, without an attempt
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._schedule_probe()
+
+    def _schedule_probe(self) -> None:
+        if self.probe is not None:
+            self._probe_timer = asyncio.get_running_loop().call_later(
+                self.probe_s, self._start_probe)
+
+    def _start_probe(self) -> None:
+        self._probe_timer = None
+        if self.blocked is not None and self._probe_task is None:
+            self._probe_task = asyncio.get_running_loop().create_task(self._run_probe())
+
+    async def _run_probe(self) -> None:
+        assert self.probe is not None
+        try:
+            self._probes += 1
+            said = await self.probe()
+        finally:
+            self._probe_task = None
+        if said in ("ok", "rate_limited"):  # a rate limit: the key itself is taken
+            self.unblock()
+        else:
+            self._schedule_probe()
+
+    def unblock(self) -> None:
+        if self.blocked is None:
+            return
+        kind = self.blocked[0]
+        self.blocked = None
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
+        self.on_change("llm.unblocked", endpoint=self.endpoint, kind=kind,
+                       blocked_s=round(self.clock() - self.blocked_since, 1),
+                       probes=self._probes)
+
+    def close(self) -> None:
+        """Shutting down: no probe left scheduled or running."""
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
+        if self._probe_task is not None:
+            self._probe_task.cancel()
 
     def _room(self) -> bool:
         return self.in_flight < self.limit and self.clock() >= self.hold_until
@@ -221,7 +315,8 @@ class Slot:
             self.held = True
 
     def give_back(self, outcome: str = "unused", *, retry_after_s: float | None = None,
-                  headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
+                  headers: Mapping[str, str] | None = None, tokens: int = 0,
+                  blocked: tuple[str, str] | None = None) -> None:
         if self.limiter is not None and self.held:
             if outcome == "ok" and self.keep_after_reply:
                 self.keep_after_reply = False  # the next give_back() frees it
@@ -229,7 +324,7 @@ class Slot:
                 return
             self.held = False
             self.limiter.release(self._generation, outcome, retry_after_s=retry_after_s,
-                                 headers=headers, tokens=tokens)
+                                 headers=headers, tokens=tokens, blocked=blocked)
 
 
 def _refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
@@ -329,9 +424,12 @@ class Limiters:
     """One limiter per endpoint (model + api_base), made on first use."""
 
     def __init__(self, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
-                 on_change: OnChange | None = None) -> None:
+                 on_change: OnChange | None = None,
+                 probe: Callable[[str, str | None], Probe] | None = None,
+                 probe_s: float = PROBE_S) -> None:
         self.fixed, self.floor, self.ceiling = fixed, floor, ceiling
         self.on_change = on_change
+        self.probe, self.probe_s = probe, probe_s  # probe(model, api_base): that endpoint's
         self._by_endpoint: dict[tuple[str, str | None], Limiter] = {}
 
     def for_endpoint(self, model: str, api_base: str | None) -> Limiter:
@@ -341,8 +439,19 @@ class Limiters:
             # dict assignment is atomic: two threads racing make two, one is kept
             limiter = self._by_endpoint.setdefault(key, Limiter(
                 endpoint_name(model, api_base), fixed=self.fixed, floor=self.floor,
-                ceiling=self.ceiling, on_change=self.on_change))
+                ceiling=self.ceiling, on_change=self.on_change,
+                probe=None if self.probe is None else self.probe(model, api_base),
+                probe_s=self.probe_s))
         return limiter
 
     def all(self) -> list[Limiter]:
         return list(self._by_endpoint.values())
+
+    def refusal(self, model: str, api_base: str | None) -> LLMError | None:
+        """The endpoint is blocked (a refused key): what its calls are refused with."""
+        limiter = self._by_endpoint.get((model, api_base))
+        blocked = limiter is not None and limiter.blocked is not None
+        return limiter.refusal() if blocked and limiter is not None else None
+
+    def blocked(self) -> list[Limiter]:
+        return [limiter for limiter in self.all() if limiter.blocked is not None]
