@@ -181,6 +181,29 @@ def test_nearly_spent_headers_pause_new_calls_until_the_reset() -> None:
     run(scenario())
 
 
+def test_growth_by_one_and_holds_are_not_logged_a_cut_is_with_its_counts() -> None:
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        lim.limit, lim.slow_start = 8, False
+        gens = [await lim.acquire() for _ in range(8)]
+        lim.release(gens[0], "rate_limited", retry_after_s=0.5)  # the episode: 8 -> 4, a hold
+        for g in gens[1:]:
+            lim.release(g, "ok")
+        clock.now += 1.0
+        for _ in range(12):  # windows of successes that use the whole limit
+            window = [await lim.acquire() for _ in range(lim.limit)]
+            for g in window:
+                lim.release(g, "ok")
+        assert lim.limit >= 8  # grew back, one at a time
+        logged = [e for e in events if e.get("level", "info") != "debug"]
+        assert [(e["event"], e["reason"]) for e in logged] == [("llm.limit_changed",
+                                                                "rate limited")]
+        assert (logged[0]["rate_limited"], logged[0]["holds"], logged[0]["held_s"]) == (1, 1, 0.5)
+        assert lim.usage.holds == 1 and lim.usage.held_s == pytest.approx(0.5)
+
+    run(scenario())
+
+
 def test_a_fixed_limit_is_a_plain_semaphore() -> None:
     async def scenario() -> None:
         lim, events, _ = limiter(fixed=2)
@@ -295,6 +318,35 @@ def test_the_daemon_rides_a_rate_limited_provider_and_no_set_fails(
     moves = ws.events("llm.limit_changed")
     assert moves and all(m["endpoint"].startswith("loopback-model@127.0.0.1:") for m in moves)
     assert len(moves) < limits.served  # one line per move, not per call
+
+
+def test_the_daemon_at_a_providers_limit_logs_state_changes_only(
+    tmp_path: Path, start: Start
+) -> None:
+    """Quiet by default: many calls through a limited provider that states its
+    limit in every reply, and the log has a handful of llm.* lines (the first
+    stated limit, slow start, the episodes' cuts), none per call or per hold;
+    the holds are counted for Prometheus instead. cost.total: once per step."""
+    limits = RateLimits(requests_per_s=8)
+    with LLMServer(default=limits, latency=(0.1, 0.2)) as server:
+        ws = build_workspace(tmp_path, server.url, works={f"w{i}": 6 for i in range(8)},
+                             settle_s=0.0, concurrency="adaptive",  # type: ignore[arg-type]
+                             retry_backoff_s=0.2)
+        sets = [s for step in (1, 2, 3) for s in ws.write_step("r1", 1, step, success=True)]
+        d = start(ws)
+        wait_until(lambda: len(ws.events("step.reported")) == 3, 60, message="three steps")
+        (limiter,) = d.daemon.jobs.limiters.all()
+        usage = limiter.usage
+    assert all(ws.has_report(s) for s in sets) and not ws.events("loss.failed")
+    assert usage.holds > 0 or usage.rate_limited > 0  # the provider's limit was met
+    lines = [e for e in ws.events() if str(e.get("event", "")).startswith("llm.")]
+    assert len(lines) <= 8, [(e["event"], e.get("reason")) for e in lines]
+    assert not [e for e in lines if e["event"] == "llm.held"]
+    (pacing,) = [e for e in lines if e["event"] == "llm.pacing"]
+    assert pacing["requests_limit"] == 8  # the loopback states its limit per second
+    assert len(ws.events("cost.total")) == 3  # one per step, not one per job
+    print(f"{len(sets)} sets, {limits.served} served, {limits.limited} 429s, "
+          f"{usage.holds} holds ({usage.held_s:.2f}s): {[e['event'] for e in lines]}")
 
 
 # ---------------------------------------------------------------- the loop

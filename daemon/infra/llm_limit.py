@@ -26,6 +26,13 @@ new one refused at once (LLMError with `blocked`, their sets wait: not an
 attempt), and every `probe_s` one small real call (`probe`) asks whether
 the key works again; when it does, `llm.unblocked` and the calls go on.
 
+Quiet by default: the limiter logs state changes only, with counts. A
+slow-start doubling and a rate-limit episode's cut are `llm.limit_changed`
+(the cut with the 429s, holds and seconds held since the last such line);
+the first stated limit read from the provider's headers (and a change of
+it) is `llm.pacing`. A step of one (AIMD growth) and each hold are debug
+lines only; Prometheus counts every hold and its seconds (docs/metrics.md).
+
 A call gives its slot back when it ends, also while it waits out a backoff
 (llm.acomplete), and takes one again for its next attempt.
 
@@ -59,6 +66,8 @@ class Usage:
     rate_limited: int = 0
     calls: int = 0
     blocked: int = 0  # times the endpoint was blocked (a refused key)
+    holds: int = 0  # times no new call could start for a while (Retry-After, headers)
+    held_s: float = 0.0  # seconds of those holds
 
 
 class Limiter:
@@ -84,6 +93,8 @@ class Limiter:
         self._peak = 0  # most calls in flight or waiting since the limit last moved
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
+        self._stated: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
         self.blocked_since = 0.0
@@ -265,23 +276,44 @@ class Limiter:
             return
         old, self.limit = self.limit, new
         self._peak = self.in_flight + len(self._waiters)
+        if reason == "calls succeeded":  # a step of one: not a change of state
+            self.on_change("llm.limit_changed", level="debug", endpoint=self.endpoint,
+                           limit=new, previous=old, reason=reason, in_flight=self.in_flight)
+            return
         self.on_change("llm.limit_changed", endpoint=self.endpoint, limit=new, previous=old,
-                       reason=reason, in_flight=self.in_flight)
+                       reason=reason, in_flight=self.in_flight, **self._counts())
+
+    def _counts(self) -> dict[str, float]:
+        """What happened since the last logged line: 429s, holds, seconds held."""
+        now, since = self.usage, self._since
+        self._since = Usage(rate_limited=now.rate_limited, holds=now.holds, held_s=now.held_s)
+        return {"rate_limited": now.rate_limited - since.rate_limited,
+                "holds": now.holds - since.holds,
+                "held_s": round(now.held_s - since.held_s, 3)}
 
     def _hold(self, seconds: float, reason: str) -> None:
-        until = self.clock() + min(seconds, MAX_HOLD_S)
+        now = self.clock()
+        until = now + min(seconds, MAX_HOLD_S)
         if until <= self.hold_until + 0.05:
-            return  # already held at least as long: one event per hold
-        started = self.hold_until <= self.clock()
+            return  # already held at least as long
+        started = self.hold_until <= now
+        self.usage.held_s += until - max(now, self.hold_until)
         self.hold_until = until
         if started:
-            self.on_change("llm.held", level="warning", endpoint=self.endpoint,
+            self.usage.holds += 1  # counted, not logged: a hold is not a change of state
+            self.on_change("llm.held", level="debug", endpoint=self.endpoint,
                            wait_s=round(seconds, 3), reason=reason, limit=self.limit,
                            in_flight=self.in_flight)
 
     def _pace(self, headers: Mapping[str, str]) -> None:
         """Slow down before the wall: the provider says its window is nearly spent."""
         window = read_rate_headers(headers)
+        stated = (window.requests_limit, window.tokens_limit)
+        if stated != self._stated and stated != (None, None):
+            self._stated = stated  # a change of state: paced on what the provider says
+            self.on_change("llm.pacing", endpoint=self.endpoint,
+                           requests_limit=window.requests_limit,
+                           tokens_limit=window.tokens_limit, **self._counts())
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
             self._hold(_refill_s(window.requests_reset_s, window.requests_limit,

@@ -1,6 +1,6 @@
 """What a loss job came to, as a Decision: the state, one event, when to look again.
 
-    reply written  -> loss.completed, cost.total, DONE (the step may be reported)
+    reply written  -> loss.completed, DONE (the step may be reported; its cost.total then)
     inputs changed -> loss.discarded, SETTLING (made anew once settled)
     bad reply      -> loss.refused / loss.contradicted, FAILED, retried after backoff
     bad input      -> loss.refused, REFUSED (until its files change)
@@ -97,7 +97,7 @@ class Outcomes:
     def _completed(self, key: layout.SetKey, fp: Fingerprint,
                    result: loss.LossResult) -> Decision:
         c = result.completion
-        spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
+        self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
                                      c.cost_usd, tokens_cache_write=c.tokens_cache_write)
         # Logged before the set turns DONE: DONE may complete the step, and
         # step.reported must come after the step's last loss.completed.
@@ -107,9 +107,6 @@ class Outcomes:
                   attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
                   craft_distance=result.sidecar.get("craft_distance"),
                   **result.claims.event_fields())
-        self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
-                  cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
-                  tokens_cache_write=spend.tokens_cache_write)
         self.steps.reopen(key)
         return Decision.write(SetState.DONE, reason=None, attempts=0, next_retry_at=None,
                               fingerprint=fp.as_json(), rate_limited=0)
