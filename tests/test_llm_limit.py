@@ -167,6 +167,42 @@ def test_a_retry_after_holds_every_call_back_until_it_has_passed() -> None:
     run(scenario())
 
 
+def test_a_429_that_states_its_window_pauses_the_endpoint_for_the_refill_not_retry_after(
+) -> None:
+    """An integer Retry-After on a 429 whose headers say the window refills in
+    50 ms does not stop the whole endpoint for a second."""
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        g = await lim.acquire()
+        lim.release(g, "rate_limited", retry_after_s=1.0, headers={
+            "x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "1s"})
+        assert lim.limit == 2  # still an episode: the limit is cut
+        assert 0 < lim.hold_until - clock.now <= 0.05 + 1e-9  # one request's refill
+
+    run(scenario())
+
+
+def test_the_refused_call_waits_the_finest_time_the_provider_gives() -> None:
+    """retry-after-ms, then the spent window's refill, then Retry-After."""
+    headers = {"x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0",
+               "x-ratelimit-reset-requests": "1s", "Retry-After": "1"}
+    with LLMServer() as server:
+        server.script(
+            Reply(kind="error", code=429, headers=tuple(headers.items())),
+            Reply(kind="error", code=429, headers=(*headers.items(), ("retry-after-ms", "300"))),
+            Reply.status(429, retry_after=1),
+            Reply.ok("fine"))
+        waits: list[float] = []
+        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout_s=10.0,
+                             max_retries=3, backoff_initial_s=0.001, backoff_max_s=5.0)
+        done = llm.complete(MESSAGES, settings, sleep=waits.append)
+    assert done.text == "fine"
+    assert waits[0] == pytest.approx(0.05, abs=0.002)  # one of 20 per second: not 1 s
+    assert waits[1] == pytest.approx(0.3, abs=0.002)  # retry-after-ms, the finest
+    assert waits[2] == pytest.approx(1.0, abs=0.002)  # no window stated: Retry-After
+
+
 def test_nearly_spent_headers_pause_new_calls_until_the_reset() -> None:
     async def scenario() -> None:
         lim, events, clock = limiter()

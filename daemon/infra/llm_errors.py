@@ -51,12 +51,18 @@ def error_headers(error: BaseException) -> dict[str, str]:
 
 
 def retry_after(error: BaseException) -> float | None:
-    """Seconds the server asked us to wait, if it said.
+    """Seconds the server asked us to wait, if it said: the finest word it gives.
 
-    retry-after-ms, then Retry-After as seconds or as an HTTP date: the
-    OpenAI SDK's parser (its method uses nothing of the client).
+    retry-after-ms; then, when the reply says the requests window is spent
+    (remaining 0), the time until one request is free again by its reset
+    header (`25ms`, an RFC 3339 time); then Retry-After as seconds or as an
+    HTTP date (the OpenAI SDK's parser; its method uses nothing of the client).
+    A whole-second Retry-After is coarse: a window refilling every 25 ms is
+    not a second's wait.
     """
     from openai._base_client import BaseClient
+
+    from .llm_limit import read_rate_headers, refill_s
 
     headers: Any = getattr(error, "litellm_response_headers", None)
     response = getattr(error, "response", None)
@@ -66,6 +72,10 @@ def retry_after(error: BaseException) -> float | None:
         return None
     try:
         lowered = {str(k).lower(): str(v) for k, v in dict(headers).items()}
+        window = read_rate_headers(lowered)
+        if "retry-after-ms" not in lowered and window.requests_left == 0 \
+                and window.requests_reset_s is not None:
+            return refill_s(window.requests_reset_s, window.requests_limit, 0, 1)
         seconds = BaseClient._parse_retry_after_header(None, lowered)  # type: ignore[arg-type]
     except Exception:
         return None

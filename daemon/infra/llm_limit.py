@@ -10,7 +10,10 @@ concurrency-limits:
   503 that says Retry-After). Only the first rate-limited reply of the calls
   admitted under a limit halves it: a burst of 429s from one window is one
   episode, not a collapse to the floor;
-- a Retry-After holds every call of the endpoint back until it has passed;
+- a Retry-After holds every call of the endpoint back until it has passed,
+  unless the 429 states the provider's window (x-ratelimit-reset-requests,
+  anthropic-ratelimit-requests-reset): then only the refused call waits its
+  Retry-After, and the endpoint pauses for the window's refill alone;
 - before the wall: when a reply's x-ratelimit-remaining-requests (or
   anthropic-ratelimit-requests-remaining) is no more than the calls already
   in flight, or the remaining tokens would not cover them, no new call starts
@@ -149,7 +152,12 @@ class Limiter:
             if outcome == "ok":
                 self._grow()
             elif outcome == "rate_limited":
-                self._cut(generation, retry_after_s)
+                # A 429 that states the provider's window (its reset) holds the
+                # endpoint only as long as that window says (_pace, below); its
+                # Retry-After (whole seconds) is the refused call's own wait.
+                stated = headers is not None \
+                    and read_rate_headers(headers).requests_reset_s is not None
+                self._cut(generation, None if stated else retry_after_s)
             if tokens > 0:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
             if headers:
@@ -316,12 +324,12 @@ class Limiter:
                            tokens_limit=window.tokens_limit, **self._counts())
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
-            self._hold(_refill_s(window.requests_reset_s, window.requests_limit,
+            self._hold(refill_s(window.requests_reset_s, window.requests_limit,
                                  window.requests_left, short), "requests nearly spent")
         if window.tokens_left is not None and self._tokens_per_call > 0:
             need = self._tokens_per_call * (self.in_flight + 1) - window.tokens_left
             if need > 0:
-                self._hold(_refill_s(window.tokens_reset_s, window.tokens_limit,
+                self._hold(refill_s(window.tokens_reset_s, window.tokens_limit,
                                      window.tokens_left, need), "tokens nearly spent")
 
 
@@ -359,7 +367,7 @@ class Slot:
                                  headers=headers, tokens=tokens, blocked=blocked)
 
 
-def _refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
+def refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
     """How long until `short` more units are free. Providers refill their window
     continuously (x-ratelimit-reset-* is when it is full again): the wait for
     a few units is that share of the reset time, not all of it."""
