@@ -15,13 +15,8 @@ import pytest
 
 from skilltrain.daemon.core.config import LLMConfig
 from skilltrain.daemon.infra import llm, llm_loop
-from skilltrain.daemon.infra.llm_limit import (
-    Limiter,
-    Slot,
-    endpoint_name,
-    parse_reset,
-    read_rate_headers,
-)
+from skilltrain.daemon.infra.llm_headers import parse_reset, read_rate_headers
+from skilltrain.daemon.infra.llm_limit import Limiter, Slot, endpoint_name
 from tests.conftest import LOOPBACK_MODEL
 from tests.daemon_helpers import Start, build_workspace, release_llm_clients, wait_until
 from tests.daemon_marks import DAEMON_TEST_MARKS
@@ -99,9 +94,9 @@ def run(coro: Any) -> Any:
     return llm_loop.shared().run(coro)
 
 
-def test_slow_start_doubles_then_a_429_halves_once_per_episode_then_it_grows_by_one() -> None:
+def test_slow_start_doubles_then_a_429_cuts_once_per_episode_then_it_grows_by_one() -> None:
     async def scenario() -> None:
-        lim, events, _ = limiter()
+        lim, events, clock = limiter()
         assert lim.limit == 4
         for _ in range(3):  # three full windows: 4 -> 8 -> 16 -> 32
             gens = [await lim.acquire() for _ in range(lim.limit)]
@@ -110,33 +105,63 @@ def test_slow_start_doubles_then_a_429_halves_once_per_episode_then_it_grows_by_
         assert lim.limit == 32
         assert [e["reason"] for e in events] == ["slow start"] * 3
         gens = [await lim.acquire() for _ in range(32)]
-        for g in gens[:10]:  # ten 429s of calls started under one limit: one halving
+        for g in gens[:10]:  # ten 429s of calls started under one limit: one cut, x0.8
             lim.release(g, "rate_limited")
-        assert lim.limit == 16 and not lim.slow_start
+        assert lim.limit == 25 and not lim.slow_start
         for g in gens[10:]:
             lim.release(g, "ok")
-        gens = [await lim.acquire() for _ in range(16)]
+        gens = [await lim.acquire() for _ in range(25)]
         for g in gens:
             lim.release(g, "ok")
-        assert lim.limit == 17  # additive now, not doubling
-        assert [e["limit"] for e in events][-2:] == [16, 17]
-        assert len(events) == 5  # one line per move, not per call
+        assert lim.limit == 26  # additive now, not doubling
+        assert [e["limit"] for e in events][-2:] == [25, 26]
+        assert len(events) == 5  # one per move, not per call
+        # A 429 of a call admitted under the cut limit, within 15 s of the cut:
+        # the same episode (inspect_ai's debounce); after 15 s, a new one.
+        g = await lim.acquire()
+        clock.now += 10.0
+        lim.release(g, "rate_limited")
+        assert lim.limit == 26
+        g = await lim.acquire()
+        clock.now += 6.0
+        lim.release(g, "rate_limited")
+        assert lim.limit == 20
 
     run(scenario())
 
 
 def test_the_limit_never_leaves_its_floor_and_ceiling() -> None:
     async def scenario() -> None:
-        lim, _, _ = limiter(floor=3, ceiling=6)
+        lim, _, clock = limiter(floor=3, ceiling=6)
         for _ in range(5):
             gens = [await lim.acquire() for _ in range(lim.limit)]
             for g in gens:
                 lim.release(g, "ok")
         assert lim.limit == 6
-        for _ in range(5):
+        for _ in range(5):  # five episodes: 6 -> 4 -> 3 -> 3 (the floor)
             g = await lim.acquire()
+            clock.now += 16.0
             lim.release(g, "rate_limited")
         assert lim.limit == 3
+
+    run(scenario())
+
+
+def test_a_5xx_pauses_growth_without_shrinking() -> None:
+    async def scenario() -> None:
+        lim, _, _ = limiter()
+        lim.slow_start = False
+        gens = [await lim.acquire() for _ in range(4)]
+        for g in gens[:3]:
+            lim.release(g, "ok")
+        lim.release(gens[3], "error")  # the window of successes starts again
+        assert lim.limit == 4
+        gens = [await lim.acquire() for _ in range(4)]
+        for g in gens[:3]:
+            lim.release(g, "ok")
+        assert lim.limit == 4  # three successes since the error: not a window yet
+        lim.release(gens[3], "ok")
+        assert lim.limit == 5
 
     run(scenario())
 
@@ -177,7 +202,7 @@ def test_a_429_that_states_its_window_pauses_the_endpoint_for_the_refill_not_ret
         lim.release(g, "rate_limited", retry_after_s=1.0, headers={
             "x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0",
             "x-ratelimit-reset-requests": "1s"})
-        assert lim.limit == 2  # still an episode: the limit is cut
+        assert lim.limit == 3  # still an episode: the limit is cut
         assert 0 < lim.hold_until - clock.now <= 0.05 + 1e-9  # one request's refill
 
     run(scenario())
@@ -222,7 +247,7 @@ def test_growth_by_one_and_holds_are_not_logged_a_cut_is_with_its_counts() -> No
         lim, events, clock = limiter()
         lim.limit, lim.slow_start = 8, False
         gens = [await lim.acquire() for _ in range(8)]
-        lim.release(gens[0], "rate_limited", retry_after_s=0.5)  # the episode: 8 -> 4, a hold
+        lim.release(gens[0], "rate_limited", retry_after_s=0.5)  # the episode: 8 -> 6, a hold
         for g in gens[1:]:
             lim.release(g, "ok")
         clock.now += 1.0
@@ -312,7 +337,7 @@ def test_adaptive_calls_ride_a_provider_rate_limit_without_a_failure(form: str) 
     print(f"80 calls at R=20/s ({form}): {elapsed:.2f}s, {limits.limited} 429s, {reasons}")
 
 
-def test_the_limit_halves_on_429s_and_grows_back() -> None:
+def test_the_limit_is_cut_on_429s_and_grows_back() -> None:
     limits = RateLimits(requests_per_s=20)
     events: list[dict[str, Any]] = []
     lim = Limiter("loopback", fixed=None, ceiling=64,
@@ -323,7 +348,7 @@ def test_the_limit_halves_on_429s_and_grows_back() -> None:
     assert not [r for r in results if isinstance(r, Exception)]
     moves = [(e["reason"], e["limit"]) for e in events if e["event"] == "llm.limit_changed"]
     cut = [n for reason, n in moves if reason == "rate limited"]
-    assert cut and cut[0] == 20, moves
+    assert cut and cut[0] == 32, moves  # x0.8
     first_cut = moves.index(("rate limited", cut[0]))
     assert any(reason == "calls succeeded" for reason, _ in moves[first_cut:]), moves
 
@@ -428,7 +453,7 @@ def test_prometheus_gets_each_endpoints_limit_in_flight_and_rate_limited_replies
     run(scenario())
     text = generate_latest(metrics.registry).decode()
     label = 'endpoint="gpt-4o-mini@127.0.0.1:8000"'
-    assert f"skilltrain_llm_concurrency_limit{{{label}}} 2.0" in text
+    assert f"skilltrain_llm_concurrency_limit{{{label}}} 3.0" in text  # 4 x 0.8
     assert f"skilltrain_llm_calls_in_flight{{{label}}} 1.0" in text
     assert f"skilltrain_llm_rate_limited_responses_total{{{label}}} 1.0" in text
 

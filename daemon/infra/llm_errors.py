@@ -62,7 +62,7 @@ def retry_after(error: BaseException) -> float | None:
     """
     from openai._base_client import BaseClient
 
-    from .llm_limit import read_rate_headers, refill_s
+    from .llm_headers import read_rate_headers, refill_s
 
     headers: Any = getattr(error, "litellm_response_headers", None)
     response = getattr(error, "response", None)

@@ -6,10 +6,13 @@ concurrency-limits:
 
 - slow start: the limit doubles after each window of successes (a window is
   as many successes as the limit) until the first rate-limit episode;
-- then AIMD: one more after each window of successes, halved on a 429 (or a
-  503 that says Retry-After). Only the first rate-limited reply of the calls
-  admitted under a limit halves it: a burst of 429s from one window is one
-  episode, not a collapse to the floor;
+- then AIMD: one more after each window of successes, x0.8 on a 429 (or a
+  503 that says Retry-After), once per rate-limit episode: the 429s of calls
+  admitted under a limit already cut, and any within EPISODE_S of the last
+  cut, are the same episode, not a collapse to the floor (inspect_ai's
+  adaptive connections: x0.8, 15 s);
+- a 5xx or a timeout pauses growth (the window of successes starts again)
+  without shrinking: an overloaded server is not a rate limit;
 - a Retry-After holds every call of the endpoint back until it has passed,
   unless the 429 states the provider's window (x-ratelimit-reset-requests,
   anthropic-ratelimit-requests-reset): then only the refused call waits its
@@ -44,19 +47,19 @@ Everything here runs on the LLM loop's thread (daemon/llm_loop.py): no locks.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from urllib.parse import urlsplit
 
 from ..core.errors import LLMError
+from .llm_headers import read_rate_headers, refill_s
 
 OnChange = Callable[..., None]  # (event name, **fields)
 SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
-HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
+CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
+EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
 PROBE_S = 180.0  # a blocked endpoint: one small call this often, to see if the key works again
 Probe = Callable[[], Awaitable[str]]  # llm.probe: "ok", "blocked", "rate_limited", "error"
@@ -97,6 +100,7 @@ class Limiter:
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
         self._stated: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
@@ -151,6 +155,8 @@ class Limiter:
         if self.adaptive:
             if outcome == "ok":
                 self._grow()
+            elif outcome == "error":
+                self._successes = 0  # a 5xx, a timeout: growth waits, nothing is cut
             elif outcome == "rate_limited":
                 # A 429 that states the provider's window (its reset) holds the
                 # endpoint only as long as that window says (_pace, below); its
@@ -273,11 +279,14 @@ class Limiter:
         self.slow_start = False
         if retry_after_s is not None and retry_after_s > 0:
             self._hold(retry_after_s, "Retry-After")
-        if generation != self.generation:
-            return  # admitted under a limit already cut: the same episode
+        now = self.clock()
+        recent = self._cut_at is not None and now - self._cut_at < EPISODE_S
+        if generation != self.generation or recent:
+            return  # admitted under a limit already cut, or just after it: the same episode
         self.generation += 1
         self._successes = 0
-        self._set(max(self.floor, self.limit // 2), "rate limited")
+        self._cut_at = now
+        self._set(max(self.floor, min(self.limit - 1, int(self.limit * CUT))), "rate limited")
 
     def _set(self, new: int, reason: str) -> None:
         if new == self.limit:
@@ -365,92 +374,6 @@ class Slot:
             self.held = False
             self.limiter.release(self._generation, outcome, retry_after_s=retry_after_s,
                                  headers=headers, tokens=tokens, blocked=blocked)
-
-
-def refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
-    """How long until `short` more units are free. Providers refill their window
-    continuously (x-ratelimit-reset-* is when it is full again): the wait for
-    a few units is that share of the reset time, not all of it."""
-    if reset_s is None:
-        return HOLD_WITHOUT_RESET_S
-    if limit is None or limit <= left:
-        return reset_s
-    return min(reset_s, reset_s * short / (limit - left))
-
-
-# ------------------------------------------------------------------ headers
-@dataclass(frozen=True)
-class RateWindow:
-    requests_limit: int | None = None
-    requests_left: int | None = None
-    requests_reset_s: float | None = None
-    tokens_limit: int | None = None
-    tokens_left: int | None = None
-    tokens_reset_s: float | None = None
-
-
-_PREFIX = "llm_provider-"  # litellm repeats every provider header with this prefix
-
-
-def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
-    """OpenAI's x-ratelimit-* and Anthropic's anthropic-ratelimit-* in one shape."""
-    h: dict[str, str] = {}
-    for key, value in headers.items():
-        name = str(key).lower()
-        h.setdefault(name.removeprefix(_PREFIX), str(value))
-
-    def first(*names: str) -> str | None:
-        return next((h[n] for n in names if n in h), None)
-
-    return RateWindow(
-        requests_limit=_int(first("x-ratelimit-limit-requests",
-                                  "anthropic-ratelimit-requests-limit")),
-        tokens_limit=_int(first("x-ratelimit-limit-tokens", "anthropic-ratelimit-tokens-limit",
-                                "anthropic-ratelimit-input-tokens-limit")),
-        requests_left=_int(first("x-ratelimit-remaining-requests",
-                                 "anthropic-ratelimit-requests-remaining")),
-        requests_reset_s=parse_reset(first("x-ratelimit-reset-requests",
-                                           "anthropic-ratelimit-requests-reset")),
-        tokens_left=_int(first("x-ratelimit-remaining-tokens",
-                               "anthropic-ratelimit-tokens-remaining",
-                               "anthropic-ratelimit-input-tokens-remaining")),
-        tokens_reset_s=parse_reset(first("x-ratelimit-reset-tokens",
-                                         "anthropic-ratelimit-tokens-reset",
-                                         "anthropic-ratelimit-input-tokens-reset")),
-    )
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return None if value is None else int(float(value))
-    except ValueError:
-        return None
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-
-
-def parse_reset(value: str | None, now: float | None = None) -> float | None:
-    """Seconds until a window resets: `0.2s`, `6m0s`, `1h2m3.5s`, `20ms`, `12` (seconds),
-    or an RFC 3339 time (Anthropic). None when unreadable."""
-    if not value:
-        return None
-    text = value.strip()
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if parts and "".join(n + u for n, u in parts) == text:
-        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-        return sum(float(n) * scale[u] for n, u in parts)
-    try:
-        at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if at.tzinfo is None:
-        return None
-    return max(0.0, at.timestamp() - (time.time() if now is None else now))
 
 
 def endpoint_name(model: str, api_base: str | None) -> str:
