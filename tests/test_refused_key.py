@@ -173,3 +173,26 @@ def test_once_exits_non_zero_when_the_key_is_refused(tmp_path: Path) -> None:
     assert len(ws.events("llm.blocked")) == 1
     stopped = ws.events("daemon.stopped")
     assert stopped and stopped[-1]["exit_code"] == 1
+
+
+def test_prometheus_gets_the_blocked_endpoint_for_the_alert() -> None:
+    from prometheus_client import generate_latest
+
+    from skilltrain.daemon.infra.llm_limit import Limiters
+    from skilltrain.daemon.service.metrics import Metrics
+
+    limiters = Limiters(fixed=None)
+    metrics = Metrics(lambda: {}, [])
+    metrics.watch_limiters(limiters)
+    with LLMServer() as server:
+        lim = limiters.for_endpoint(LOOPBACK_MODEL, server.url)
+        before = generate_latest(metrics.registry).decode()
+        server.script(QUOTA)
+        call(settings(server), lim)
+    after = generate_latest(metrics.registry).decode()
+    assert 'skilltrain_llm_endpoint_blocked{endpoint="loopback-model@' in before
+    assert [line for line in before.splitlines()
+            if line.startswith("skilltrain_llm_endpoint_blocked{")][0].endswith(" 0.0")
+    (blocked,) = [line for line in after.splitlines()
+                  if line.startswith("skilltrain_llm_endpoint_blocked{")]
+    assert 'kind="quota"' in blocked and blocked.endswith(" 1.0")  # SkilltrainLLMKeyRefused
