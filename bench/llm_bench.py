@@ -224,6 +224,10 @@ def limits_run(sets: int, rate: float, concurrency: int | str, retry_after: str,
                 failed = len(daemon.find("loss.failed"))
                 deferred = len(daemon.find("loss.rate_limited"))
                 moves = len(daemon.find("llm.limit_changed"))
+                # Quiet by default: the limiter's lines in the log, against the requests.
+                llm_lines = sum(1 for e in daemon.events()
+                                if str(e.get("event", "")).startswith("llm."))
+                cost_lines = len(daemon.find("cost.total"))
             finally:
                 daemon.stop()
     finally:
@@ -231,7 +235,8 @@ def limits_run(sets: int, rate: float, concurrency: int | str, retry_after: str,
     requests = limits.served + limits.limited
     return {"rps": limits.served / (t1 - t0), "wall": t1 - t0, "limited": limits.limited,
             "share": limits.limited / max(requests, 1), "failed": failed,
-            "deferred": deferred, "moves": moves}
+            "deferred": deferred, "moves": moves, "llm_lines": llm_lines,
+            "llm_share": llm_lines / max(requests, 1), "cost_lines": cost_lines}
 
 
 def bench_limits(sets: int, rate: float) -> list[db.Row]:
@@ -258,6 +263,9 @@ def bench_limits(sets: int, rate: float) -> list[db.Row]:
             db.Row("  sets failed / retried later for rate limits / limit moves",
                    f"{r['failed']} / {r['deferred']} / {r['moves']}",
                    "0 failed" if adaptive else "", r["failed"] == 0 if adaptive else None),
+            db.Row("  llm.* log lines (share of requests) / cost.total lines",
+                   f"{r['llm_lines']} ({r['llm_share']:.1%}) / {r['cost_lines']}",
+                   "<= 2%", r["llm_share"] <= 0.02),
         ]
     return rows
 

@@ -816,7 +816,7 @@ def test_budget_reached_stops_later_sets_of_the_run(
     d = start(ws)
     wait_until(lambda: all_reported(ws, first), 20, message="the first report")
     # The report is on disk a moment before its events are logged.
-    spent = wait_until(lambda: ws.events("cost.total"), 5, message="cost.total")
+    spent = wait_until(lambda: ws.events("loss.completed"), 5, message="loss.completed")
     assert spent[-1]["cost_usd"] > 0.0001
     later = ws.write_step("r1", 1, 2, success=True)
     wait_until(lambda: ws.events("budget.reached"), 5, message="budget.reached")
@@ -838,7 +838,7 @@ def test_budget_also_holds_back_jobs_queued_before_it_was_reached(
     ws = budget_workspace(tmp_path, llm_server)
     sets = [s for step in (1, 2) for s in ws.write_step("r1", 1, step, success=True)]
     start(ws)  # the startup scan queues all four sets; concurrency 1 runs one at a time
-    spent = wait_until(lambda: ws.events("cost.total"), 20, message="the first report's cost")
+    spent = wait_until(lambda: ws.events("loss.completed"), 20, message="the first report's cost")
     assert spent[0]["cost_usd"] > 0.0001
     assert stays(lambda: llm_server.request_count == 1, 1.0), (
         f"{llm_server.request_count} LLM requests after the first report spent 4x the budget"

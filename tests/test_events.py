@@ -993,12 +993,12 @@ def test_no_api_key_in_the_log_on_an_auth_error(auth_error_daemon: BackgroundDae
     ws = auth_error_daemon.ws
     stdout, stderr = auth_error_daemon.output()
 
-    # --once exits 1 when a set failed (here: for good, on the 401).
+    # --once exits 1 when the provider refuses the key (a 401: the endpoint is blocked).
     assert auth_error_daemon.proc.returncode == 1, stderr[-2000:]
     (request,) = ws.server.requests
     assert request.headers["authorization"] == f"Bearer {SECRET_KEY}"  # really in play
     lines = ws.lines()
-    (failed,) = named(lines, "loss.failed")
+    (failed,) = named(lines, "llm.blocked")
     assert "401" in failed["reason"] and "Incorrect API key provided" in failed["reason"]
     assert set(CONTEXT_FIELDS) <= set(failed) and failed["level"] == "error"
     for where, text in (

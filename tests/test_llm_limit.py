@@ -15,13 +15,8 @@ import pytest
 
 from skilltrain.daemon.core.config import LLMConfig
 from skilltrain.daemon.infra import llm, llm_loop
-from skilltrain.daemon.infra.llm_limit import (
-    Limiter,
-    Slot,
-    endpoint_name,
-    parse_reset,
-    read_rate_headers,
-)
+from skilltrain.daemon.infra.llm_headers import parse_reset, read_rate_headers
+from skilltrain.daemon.infra.llm_limit import Limiter, Slot, endpoint_name
 from tests.conftest import LOOPBACK_MODEL
 from tests.daemon_helpers import Start, build_workspace, release_llm_clients, wait_until
 from tests.daemon_marks import DAEMON_TEST_MARKS
@@ -99,9 +94,9 @@ def run(coro: Any) -> Any:
     return llm_loop.shared().run(coro)
 
 
-def test_slow_start_doubles_then_a_429_halves_once_per_episode_then_it_grows_by_one() -> None:
+def test_slow_start_doubles_then_a_429_cuts_once_per_episode_then_it_grows_by_one() -> None:
     async def scenario() -> None:
-        lim, events, _ = limiter()
+        lim, events, clock = limiter()
         assert lim.limit == 4
         for _ in range(3):  # three full windows: 4 -> 8 -> 16 -> 32
             gens = [await lim.acquire() for _ in range(lim.limit)]
@@ -110,33 +105,63 @@ def test_slow_start_doubles_then_a_429_halves_once_per_episode_then_it_grows_by_
         assert lim.limit == 32
         assert [e["reason"] for e in events] == ["slow start"] * 3
         gens = [await lim.acquire() for _ in range(32)]
-        for g in gens[:10]:  # ten 429s of calls started under one limit: one halving
+        for g in gens[:10]:  # ten 429s of calls started under one limit: one cut, x0.8
             lim.release(g, "rate_limited")
-        assert lim.limit == 16 and not lim.slow_start
+        assert lim.limit == 25 and not lim.slow_start
         for g in gens[10:]:
             lim.release(g, "ok")
-        gens = [await lim.acquire() for _ in range(16)]
+        gens = [await lim.acquire() for _ in range(25)]
         for g in gens:
             lim.release(g, "ok")
-        assert lim.limit == 17  # additive now, not doubling
-        assert [e["limit"] for e in events][-2:] == [16, 17]
-        assert len(events) == 5  # one line per move, not per call
+        assert lim.limit == 26  # additive now, not doubling
+        assert [e["limit"] for e in events][-2:] == [25, 26]
+        assert len(events) == 5  # one per move, not per call
+        # A 429 of a call admitted under the cut limit, within 15 s of the cut:
+        # the same episode (inspect_ai's debounce); after 15 s, a new one.
+        g = await lim.acquire()
+        clock.now += 10.0
+        lim.release(g, "rate_limited")
+        assert lim.limit == 26
+        g = await lim.acquire()
+        clock.now += 6.0
+        lim.release(g, "rate_limited")
+        assert lim.limit == 20
 
     run(scenario())
 
 
 def test_the_limit_never_leaves_its_floor_and_ceiling() -> None:
     async def scenario() -> None:
-        lim, _, _ = limiter(floor=3, ceiling=6)
+        lim, _, clock = limiter(floor=3, ceiling=6)
         for _ in range(5):
             gens = [await lim.acquire() for _ in range(lim.limit)]
             for g in gens:
                 lim.release(g, "ok")
         assert lim.limit == 6
-        for _ in range(5):
+        for _ in range(5):  # five episodes: 6 -> 4 -> 3 -> 3 (the floor)
             g = await lim.acquire()
+            clock.now += 16.0
             lim.release(g, "rate_limited")
         assert lim.limit == 3
+
+    run(scenario())
+
+
+def test_a_5xx_pauses_growth_without_shrinking() -> None:
+    async def scenario() -> None:
+        lim, _, _ = limiter()
+        lim.slow_start = False
+        gens = [await lim.acquire() for _ in range(4)]
+        for g in gens[:3]:
+            lim.release(g, "ok")
+        lim.release(gens[3], "error")  # the window of successes starts again
+        assert lim.limit == 4
+        gens = [await lim.acquire() for _ in range(4)]
+        for g in gens[:3]:
+            lim.release(g, "ok")
+        assert lim.limit == 4  # three successes since the error: not a window yet
+        lim.release(gens[3], "ok")
+        assert lim.limit == 5
 
     run(scenario())
 
@@ -167,6 +192,42 @@ def test_a_retry_after_holds_every_call_back_until_it_has_passed() -> None:
     run(scenario())
 
 
+def test_a_429_that_states_its_window_pauses_the_endpoint_for_the_refill_not_retry_after(
+) -> None:
+    """An integer Retry-After on a 429 whose headers say the window refills in
+    50 ms does not stop the whole endpoint for a second."""
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        g = await lim.acquire()
+        lim.release(g, "rate_limited", retry_after_s=1.0, headers={
+            "x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "1s"})
+        assert lim.limit == 3  # still an episode: the limit is cut
+        assert 0 < lim.hold_until - clock.now <= 0.05 + 1e-9  # one request's refill
+
+    run(scenario())
+
+
+def test_the_refused_call_waits_the_finest_time_the_provider_gives() -> None:
+    """retry-after-ms, then the spent window's refill, then Retry-After."""
+    headers = {"x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0",
+               "x-ratelimit-reset-requests": "1s", "Retry-After": "1"}
+    with LLMServer() as server:
+        server.script(
+            Reply(kind="error", code=429, headers=tuple(headers.items())),
+            Reply(kind="error", code=429, headers=(*headers.items(), ("retry-after-ms", "300"))),
+            Reply.status(429, retry_after=1),
+            Reply.ok("fine"))
+        waits: list[float] = []
+        settings = LLMConfig(model=LOOPBACK_MODEL, api_base=server.url, timeout_s=10.0,
+                             max_retries=3, backoff_initial_s=0.001, backoff_max_s=5.0)
+        done = llm.complete(MESSAGES, settings, sleep=waits.append)
+    assert done.text == "fine"
+    assert waits[0] == pytest.approx(0.05, abs=0.002)  # one of 20 per second: not 1 s
+    assert waits[1] == pytest.approx(0.3, abs=0.002)  # retry-after-ms, the finest
+    assert waits[2] == pytest.approx(1.0, abs=0.002)  # no window stated: Retry-After
+
+
 def test_nearly_spent_headers_pause_new_calls_until_the_reset() -> None:
     async def scenario() -> None:
         lim, events, clock = limiter()
@@ -177,6 +238,29 @@ def test_nearly_spent_headers_pause_new_calls_until_the_reset() -> None:
         assert events[-1]["reason"] == "requests nearly spent"
         lim.release(g2, "ok", headers={"x-ratelimit-remaining-requests": "50"})
         assert lim.limit == 4  # pacing is a pause, not a cut
+
+    run(scenario())
+
+
+def test_growth_by_one_and_holds_are_not_logged_a_cut_is_with_its_counts() -> None:
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        lim.limit, lim.slow_start = 8, False
+        gens = [await lim.acquire() for _ in range(8)]
+        lim.release(gens[0], "rate_limited", retry_after_s=0.5)  # the episode: 8 -> 6, a hold
+        for g in gens[1:]:
+            lim.release(g, "ok")
+        clock.now += 1.0
+        for _ in range(12):  # windows of successes that use the whole limit
+            window = [await lim.acquire() for _ in range(lim.limit)]
+            for g in window:
+                lim.release(g, "ok")
+        assert lim.limit >= 8  # grew back, one at a time
+        logged = [e for e in events if e.get("level", "info") != "debug"]
+        assert [(e["event"], e["reason"]) for e in logged] == [("llm.limit_changed",
+                                                                "rate limited")]
+        assert (logged[0]["rate_limited"], logged[0]["holds"], logged[0]["held_s"]) == (1, 1, 0.5)
+        assert lim.usage.holds == 1 and lim.usage.held_s == pytest.approx(0.5)
 
     run(scenario())
 
@@ -253,7 +337,7 @@ def test_adaptive_calls_ride_a_provider_rate_limit_without_a_failure(form: str) 
     print(f"80 calls at R=20/s ({form}): {elapsed:.2f}s, {limits.limited} 429s, {reasons}")
 
 
-def test_the_limit_halves_on_429s_and_grows_back() -> None:
+def test_the_limit_is_cut_on_429s_and_grows_back() -> None:
     limits = RateLimits(requests_per_s=20)
     events: list[dict[str, Any]] = []
     lim = Limiter("loopback", fixed=None, ceiling=64,
@@ -264,7 +348,7 @@ def test_the_limit_halves_on_429s_and_grows_back() -> None:
     assert not [r for r in results if isinstance(r, Exception)]
     moves = [(e["reason"], e["limit"]) for e in events if e["event"] == "llm.limit_changed"]
     cut = [n for reason, n in moves if reason == "rate limited"]
-    assert cut and cut[0] == 20, moves
+    assert cut and cut[0] == 32, moves  # x0.8
     first_cut = moves.index(("rate limited", cut[0]))
     assert any(reason == "calls succeeded" for reason, _ in moves[first_cut:]), moves
 
@@ -295,6 +379,35 @@ def test_the_daemon_rides_a_rate_limited_provider_and_no_set_fails(
     moves = ws.events("llm.limit_changed")
     assert moves and all(m["endpoint"].startswith("loopback-model@127.0.0.1:") for m in moves)
     assert len(moves) < limits.served  # one line per move, not per call
+
+
+def test_the_daemon_at_a_providers_limit_logs_state_changes_only(
+    tmp_path: Path, start: Start
+) -> None:
+    """Quiet by default: many calls through a limited provider that states its
+    limit in every reply, and the log has a handful of llm.* lines (the first
+    stated limit, slow start, the episodes' cuts), none per call or per hold;
+    the holds are counted for Prometheus instead. cost.total: once per step."""
+    limits = RateLimits(requests_per_s=8)
+    with LLMServer(default=limits, latency=(0.1, 0.2)) as server:
+        ws = build_workspace(tmp_path, server.url, works={f"w{i}": 6 for i in range(8)},
+                             settle_s=0.0, concurrency="adaptive",  # type: ignore[arg-type]
+                             retry_backoff_s=0.2)
+        sets = [s for step in (1, 2, 3) for s in ws.write_step("r1", 1, step, success=True)]
+        d = start(ws)
+        wait_until(lambda: len(ws.events("step.reported")) == 3, 60, message="three steps")
+        (limiter,) = d.daemon.jobs.limiters.all()
+        usage = limiter.usage
+    assert all(ws.has_report(s) for s in sets) and not ws.events("loss.failed")
+    assert usage.holds > 0 or usage.rate_limited > 0  # the provider's limit was met
+    lines = [e for e in ws.events() if str(e.get("event", "")).startswith("llm.")]
+    assert len(lines) <= 8, [(e["event"], e.get("reason")) for e in lines]
+    assert not [e for e in lines if e["event"] == "llm.held"]
+    (pacing,) = [e for e in lines if e["event"] == "llm.pacing"]
+    assert pacing["requests_limit"] == 8  # the loopback states its limit per second
+    assert len(ws.events("cost.total")) == 3  # one per step, not one per job
+    print(f"{len(sets)} sets, {limits.served} served, {limits.limited} 429s, "
+          f"{usage.holds} holds ({usage.held_s:.2f}s): {[e['event'] for e in lines]}")
 
 
 # ---------------------------------------------------------------- the loop
@@ -340,7 +453,7 @@ def test_prometheus_gets_each_endpoints_limit_in_flight_and_rate_limited_replies
     run(scenario())
     text = generate_latest(metrics.registry).decode()
     label = 'endpoint="gpt-4o-mini@127.0.0.1:8000"'
-    assert f"skilltrain_llm_concurrency_limit{{{label}}} 2.0" in text
+    assert f"skilltrain_llm_concurrency_limit{{{label}}} 3.0" in text  # 4 x 0.8
     assert f"skilltrain_llm_calls_in_flight{{{label}}} 1.0" in text
     assert f"skilltrain_llm_rate_limited_responses_total{{{label}}} 1.0" in text
 

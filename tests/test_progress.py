@@ -297,7 +297,10 @@ def test_metrics_endpoint_counts_what_the_daemon_does(
         llm_server.default = lambda request: Reply.status(400)
         _write_step(ws, "r2", 0, scenes=3, lines=6)
         wait_until(lambda: ws.events("loss.failed"), 20, message="loss.failed")
-        failed = _scrape(port)
+        # loss.failed is logged as the outcome is decided, a moment before the
+        # owner writes the set's state: wait for what is asserted below.
+        failed = wait_until(lambda: (s := _scrape(port))['skilltrain_sets{state="failed"}'] == 1
+                            and s, 5, message="the failed set in /metrics")
     finally:
         daemon.stop()
     sidecar = ws.read_sidecar(ws.sets_of_step("r1", 0, 0)[0])

@@ -9,7 +9,8 @@
               use (epoch_1, a linked run folder, a bad run.toml)
     stalled   a looped run waiting for runs/RUN/RETRY, a step whose optimizer
               used up its attempts, a set `running` longer than a job can last
-    held      a set held back by [llm] budget_usd (a stale one too: its redo is
+    held      a set held back by [llm] budget_usd or a key the provider refuses
+              (quota, billing, auth) (a stale one too: its redo is
               held), a looped run paused by PAUSE
 
 Counts are exact and come from aggregates; rows are fetched only up to the

@@ -228,6 +228,13 @@ def _f_llm_held(rec: Record) -> list[str]:
             f"limit={rec.get('limit', '?')}"]
 
 
+def _f_llm_pacing(rec: Record) -> list[str]:
+    stated = [f"{rec[k]} {what}" for k, what in (("requests_limit", "requests"),
+                                                 ("tokens_limit", "tokens")) if rec.get(k)]
+    return [f"{rec.get('endpoint', '?')} paced on the provider's stated limit:",
+            ", ".join(stated) or "?"]
+
+
 _FIELDS: dict[str, Callable[[Record], list[str]]] = {
     "loss.completed": _f_loss_completed,
     "loss.failed": _f_loss_failed,
@@ -235,6 +242,7 @@ _FIELDS: dict[str, Callable[[Record], list[str]]] = {
     "loss.rate_limited": _f_loss_failed,
     "llm.limit_changed": _f_llm_limit_changed,
     "llm.held": _f_llm_held,
+    "llm.pacing": _f_llm_pacing,
     "loss.started": _f_loss_started,
     "loss.retry": _f_loss_retry,
     "step.reported": _f_step_reported,

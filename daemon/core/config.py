@@ -62,6 +62,9 @@ class LLMConfig(_Section):
     max_output_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0, le=2)
     budget_usd: float | None = Field(None, gt=0)
+    # A key the provider refuses (quota, billing, auth): one small call this
+    # often until it works again (daemon/infra/llm_limit.py).
+    probe_refused_key_s: float = Field(180.0, gt=0)
     # "batch": the provider's batch API at its batch price (daemon/service/batch.py);
     # a run's run.toml [llm] mode overrides it for that run.
     mode: Literal["live", "batch"] = "live"

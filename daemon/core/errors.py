@@ -70,14 +70,17 @@ class LLMError(SkilltrainError):
     `retry_after_s`: what the server last asked for (Retry-After), so a later
     retry of the whole set does not come sooner. `rate_limited`: the last
     attempt was refused for the provider's rate limit (not the set's fault:
-    it does not count against [loss] max_attempts).
+    it does not count against [loss] max_attempts). `blocked`: the provider
+    refuses the key itself ("quota", "billing", "authentication"): no wait
+    fixes it, the endpoint takes no new call until it works again (llm_limit.py).
     """
 
     def __init__(self, message: str, retry_after_s: float | None = None, *,
-                 rate_limited: bool = False) -> None:
+                 rate_limited: bool = False, blocked: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.rate_limited = rate_limited
+        self.blocked = blocked
 
 
 class AlreadyRunningError(SkilltrainError):

@@ -37,6 +37,9 @@ from ..core.config import BUILTIN_MODEL, LLMConfig
 from ..core.errors import ConfigError, LLMError
 from ..guard import leakguard
 from . import llm_loop
+from .llm_errors import error_headers as _error_headers
+from .llm_errors import refused_key
+from .llm_errors import retry_after as _retry_after
 from .llm_limit import Slot
 
 Message = dict[str, Any]
@@ -183,6 +186,11 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
             slot.give_back("rate_limited" if e.rate_limited else "error",
                            retry_after_s=e.retry_after_s, headers=e.headers)
             raise
+        except LLMError as e:
+            # A key the provider refuses (quota, billing, auth) blocks the endpoint.
+            slot.give_back("blocked" if e.blocked else "error",
+                           blocked=(e.blocked, str(e)) if e.blocked else None)
+            raise
         except BaseException:
             slot.give_back("error")
             raise
@@ -218,8 +226,10 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
     try:
         response: Any = await retrying(attempt)
     except RetryableError as e:
-        raise LLMError(f"gave up after {attempts} attempts: {e}", e.retry_after_s,
-                       rate_limited=e.rate_limited) from None
+        # A rate limit is tried again later (outcomes.py): not "gave up".
+        said = (f"rate-limited on {attempts} attempts in a row" if e.rate_limited
+                else f"gave up after {attempts} attempts")
+        raise LLMError(f"{said}: {e}", e.retry_after_s, rate_limited=e.rate_limited) from None
     except BaseException:
         slot.give_back()  # stopped (Abandoned, cancelled) while it held the slot
         raise
@@ -249,14 +259,7 @@ async def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
                               headers=_error_headers(e))
 
     try:
-        async with asyncio.timeout(settings.timeout_s) as deadline:
-            return await lm.acompletion(**kwargs)
-    except TimeoutError:
-        if not deadline.expired():
-            raise  # a TimeoutError of the library's own: handled below as any error
-        # The request was cancelled at the deadline: nothing is left running.
-        raise RetryableError(f"no complete reply within {settings.timeout_s:g}s "
-                             "([llm] timeout_s bounds the whole request)") from None
+        return await _request(lm, kwargs, settings.timeout_s, describe)
     except (lm.RateLimitError, lm.InternalServerError, lm.ServiceUnavailableError,
             lm.Timeout, lm.APIConnectionError, lm.BadGatewayError) as e:
         raise retryable(e) from None
@@ -273,22 +276,47 @@ async def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
         raise
 
 
+PROBE_PROMPT: list[Message] = [{"role": "user", "content": "Reply with OK."}]
+
+
+async def probe(settings: LLMConfig) -> str:
+    """One small real call, no retry: does the endpoint take the key again? "ok";
+    "blocked" (still refused); "rate_limited" (the key works, the provider is
+    busy); "error" (nothing learnt: a 5xx, a timeout)."""
+    small = settings.model_copy(update={"max_output_tokens": 1, "max_retries": 0})
+    try:
+        await acomplete(PROBE_PROMPT, small)
+    except LLMError as e:
+        return "blocked" if e.blocked else "rate_limited" if e.rate_limited else "error"
+    except Exception:
+        return "error"
+    return "ok"
+
+
+async def _request(lm: ModuleType, kwargs: dict[str, Any], timeout_s: float,
+                   describe: Callable[[BaseException], str]) -> Any:
+    """The request within its deadline; a key the provider refuses told apart first
+    (an insufficient_quota is a 429 that no wait fixes)."""
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            return await lm.acompletion(**kwargs)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # a TimeoutError of the library's own: handled as any error
+        # The request was cancelled at the deadline: nothing is left running.
+        raise RetryableError(f"no complete reply within {timeout_s:g}s "
+                             "([llm] timeout_s bounds the whole request)") from None
+    except Exception as e:
+        if (kind := refused_key(e)) is not None:
+            raise LLMError(describe(e), blocked=kind) from None
+        raise
+
+
 def _reply_headers(response: Any) -> dict[str, str]:
     """The provider's headers of a reply (its x-ratelimit-* among them)."""
     hidden = getattr(response, "_hidden_params", None) or {}
     headers = hidden.get("additional_headers") if isinstance(hidden, dict) else None
     return {str(k): str(v) for k, v in headers.items()} if isinstance(headers, dict) else {}
-
-
-def _error_headers(error: BaseException) -> dict[str, str]:
-    headers: Any = getattr(error, "litellm_response_headers", None)
-    response = getattr(error, "response", None)
-    if headers is None and response is not None:
-        headers = getattr(response, "headers", None)
-    try:
-        return {str(k): str(v) for k, v in dict(headers or {}).items()}
-    except Exception:
-        return {}
 
 
 def _request_kwargs(messages: Sequence[Message], settings: LLMConfig) -> dict[str, Any]:
@@ -405,28 +433,6 @@ def _describe(error: BaseException, prompt: str = "", api_base: str | None = Non
         where = f" at {api_base}" if api_base else ""
         return f"connection to the LLM server{where} failed ({kind}): {message}"
     return f"{kind} (HTTP {status}): {message}" if status else f"{kind}: {message}"
-
-
-def _retry_after(error: BaseException) -> float | None:
-    """Seconds the server asked us to wait, if it said.
-
-    retry-after-ms, then Retry-After as seconds or as an HTTP date: the
-    OpenAI SDK's parser (its method uses nothing of the client).
-    """
-    from openai._base_client import BaseClient
-
-    headers: Any = getattr(error, "litellm_response_headers", None)
-    response = getattr(error, "response", None)
-    if headers is None and response is not None:
-        headers = getattr(response, "headers", None)
-    if not headers:
-        return None
-    try:
-        lowered = {str(k).lower(): str(v) for k, v in dict(headers).items()}
-        seconds = BaseClient._parse_retry_after_header(None, lowered)  # type: ignore[arg-type]
-    except Exception:
-        return None
-    return None if seconds is None else max(0.0, float(seconds))
 
 
 def _completion(response: Any, model: str, attempts: int) -> Completion:

@@ -6,11 +6,17 @@ concurrency-limits:
 
 - slow start: the limit doubles after each window of successes (a window is
   as many successes as the limit) until the first rate-limit episode;
-- then AIMD: one more after each window of successes, halved on a 429 (or a
-  503 that says Retry-After). Only the first rate-limited reply of the calls
-  admitted under a limit halves it: a burst of 429s from one window is one
-  episode, not a collapse to the floor;
-- a Retry-After holds every call of the endpoint back until it has passed;
+- then AIMD: one more after each window of successes, x0.8 on a 429 (or a
+  503 that says Retry-After), once per rate-limit episode: the 429s of calls
+  admitted under a limit already cut, and any within EPISODE_S of the last
+  cut, are the same episode, not a collapse to the floor (inspect_ai's
+  adaptive connections: x0.8, 15 s);
+- a 5xx or a timeout pauses growth (the window of successes starts again)
+  without shrinking: an overloaded server is not a rate limit;
+- a Retry-After holds every call of the endpoint back until it has passed,
+  unless the 429 states the provider's window (x-ratelimit-reset-requests,
+  anthropic-ratelimit-requests-reset): then only the refused call waits its
+  Retry-After, and the endpoint pauses for the window's refill alone;
 - before the wall: when a reply's x-ratelimit-remaining-requests (or
   anthropic-ratelimit-requests-remaining) is no more than the calls already
   in flight, or the remaining tokens would not cover them, no new call starts
@@ -18,6 +24,20 @@ concurrency-limits:
   an RFC 3339 time);
 - the limit only grows while the calls actually reach it (a limit nobody
   uses says nothing about the provider).
+
+A key the provider refuses (insufficient_quota, billing, 401/403: llm.py's
+`refused_key`) is not a rate limit: no wait fixes it. It blocks the
+endpoint: one `llm.blocked` event, the calls waiting for a slot and every
+new one refused at once (LLMError with `blocked`, their sets wait: not an
+attempt), and every `probe_s` one small real call (`probe`) asks whether
+the key works again; when it does, `llm.unblocked` and the calls go on.
+
+Quiet by default: the limiter logs state changes only, with counts. A
+slow-start doubling and a rate-limit episode's cut are `llm.limit_changed`
+(the cut with the 429s, holds and seconds held since the last such line);
+the first stated limit read from the provider's headers (and a change of
+it) is `llm.pacing`. A step of one (AIMD growth) and each hold are debug
+lines only; Prometheus counts every hold and its seconds (docs/metrics.md).
 
 A call gives its slot back when it ends, also while it waits out a backoff
 (llm.acomplete), and takes one again for its next attempt.
@@ -27,18 +47,22 @@ Everything here runs on the LLM loop's thread (daemon/llm_loop.py): no locks.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from urllib.parse import urlsplit
+
+from ..core.errors import LLMError
+from .llm_headers import read_rate_headers, refill_s
 
 OnChange = Callable[..., None]  # (event name, **fields)
 SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
-HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
+CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
+EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
+PROBE_S = 180.0  # a blocked endpoint: one small call this often, to see if the key works again
+Probe = Callable[[], Awaitable[str]]  # llm.probe: "ok", "blocked", "rate_limited", "error"
 
 
 @dataclass
@@ -47,6 +71,9 @@ class Usage:
 
     rate_limited: int = 0
     calls: int = 0
+    blocked: int = 0  # times the endpoint was blocked (a refused key)
+    holds: int = 0  # times no new call could start for a while (Retry-After, headers)
+    held_s: float = 0.0  # seconds of those holds
 
 
 class Limiter:
@@ -54,7 +81,8 @@ class Limiter:
 
     def __init__(self, endpoint: str, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
                  on_change: OnChange | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 probe: Probe | None = None, probe_s: float = PROBE_S) -> None:
         self.endpoint = endpoint
         self.adaptive = fixed is None
         self.floor, self.ceiling = (fixed, fixed) if fixed is not None else (floor, ceiling)
@@ -71,10 +99,22 @@ class Limiter:
         self._peak = 0  # most calls in flight or waiting since the limit last moved
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
+        self._stated: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
+        self._since = Usage()  # counts at the last logged line (its counts are the change)
+        # A refused key (quota, billing, auth): why, since when; None while it works.
+        self.blocked: tuple[str, str] | None = None
+        self.blocked_since = 0.0
+        self.probe, self.probe_s = probe, probe_s
+        self._probes = 0
+        self._probe_timer: asyncio.TimerHandle | None = None
+        self._probe_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- slots
     async def acquire(self) -> int:
         """Wait for a slot; the generation it was granted under (give it to release)."""
+        if self.blocked is not None:
+            raise self.refusal()
         self._peak = max(self._peak, self.in_flight + len(self._waiters) + 1)
         if not self._waiters and self._room():
             self.in_flight += 1
@@ -94,11 +134,15 @@ class Limiter:
         return self.generation
 
     def release(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
-                headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
-        """A slot given back. `outcome`: "ok", "rate_limited", "error" or "unused"."""
+                headers: Mapping[str, str] | None = None, tokens: int = 0,
+                blocked: tuple[str, str] | None = None) -> None:
+        """A slot given back. `outcome`: "ok", "rate_limited", "error", "blocked"
+        (with `blocked`: the kind and the provider's words) or "unused"."""
         self.in_flight -= 1
         self.record(generation, outcome, retry_after_s=retry_after_s, headers=headers,
                     tokens=tokens)
+        if outcome == "blocked" and blocked is not None:
+            self.block(*blocked)
         self._wake()
 
     def record(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
@@ -111,12 +155,87 @@ class Limiter:
         if self.adaptive:
             if outcome == "ok":
                 self._grow()
+            elif outcome == "error":
+                self._successes = 0  # a 5xx, a timeout: growth waits, nothing is cut
             elif outcome == "rate_limited":
-                self._cut(generation, retry_after_s)
+                # A 429 that states the provider's window (its reset) holds the
+                # endpoint only as long as that window says (_pace, below); its
+                # Retry-After (whole seconds) is the refused call's own wait.
+                stated = headers is not None \
+                    and read_rate_headers(headers).requests_reset_s is not None
+                self._cut(generation, None if stated else retry_after_s)
             if tokens > 0:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
             if headers:
                 self._pace(headers)
+
+    # ------------------------------------------------------------- a refused key
+    def refusal(self) -> LLMError:
+        """What a call of a blocked endpoint is refused with (its set waits)."""
+        assert self.blocked is not None
+        kind, said = self.blocked
+        return LLMError(f"the provider refuses the API key ({kind}): no call to "
+                        f"{self.endpoint} until it works again (probed every "
+                        f"{self.probe_s:g}s): {said}", blocked=kind)
+
+    def block(self, kind: str, said: str) -> None:
+        """The provider refused the key: no new call until a probe passes. One event."""
+        if self.blocked is not None:
+            return
+        self.blocked, self.blocked_since = (kind, said), self.clock()
+        self.usage.blocked += 1
+        self._probes = 0
+        self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind,
+                       reason=said, probe_s=self.probe_s, in_flight=self.in_flight,
+                       waiting=len(self._waiters))
+        error = self.refusal()
+        while self._waiters:  # their sets wait too, without an attempt
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._schedule_probe()
+
+    def _schedule_probe(self) -> None:
+        if self.probe is not None:
+            self._probe_timer = asyncio.get_running_loop().call_later(
+                self.probe_s, self._start_probe)
+
+    def _start_probe(self) -> None:
+        self._probe_timer = None
+        if self.blocked is not None and self._probe_task is None:
+            self._probe_task = asyncio.get_running_loop().create_task(self._run_probe())
+
+    async def _run_probe(self) -> None:
+        assert self.probe is not None
+        try:
+            self._probes += 1
+            said = await self.probe()
+        finally:
+            self._probe_task = None
+        if said in ("ok", "rate_limited"):  # a rate limit: the key itself is taken
+            self.unblock()
+        else:
+            self._schedule_probe()
+
+    def unblock(self) -> None:
+        if self.blocked is None:
+            return
+        kind = self.blocked[0]
+        self.blocked = None
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
+        self.on_change("llm.unblocked", endpoint=self.endpoint, kind=kind,
+                       blocked_s=round(self.clock() - self.blocked_since, 1),
+                       probes=self._probes)
+
+    def close(self) -> None:
+        """Shutting down: no probe left scheduled or running."""
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
+        if self._probe_task is not None:
+            self._probe_task.cancel()
 
     def _room(self) -> bool:
         return self.in_flight < self.limit and self.clock() >= self.hold_until
@@ -160,42 +279,66 @@ class Limiter:
         self.slow_start = False
         if retry_after_s is not None and retry_after_s > 0:
             self._hold(retry_after_s, "Retry-After")
-        if generation != self.generation:
-            return  # admitted under a limit already cut: the same episode
+        now = self.clock()
+        recent = self._cut_at is not None and now - self._cut_at < EPISODE_S
+        if generation != self.generation or recent:
+            return  # admitted under a limit already cut, or just after it: the same episode
         self.generation += 1
         self._successes = 0
-        self._set(max(self.floor, self.limit // 2), "rate limited")
+        self._cut_at = now
+        self._set(max(self.floor, min(self.limit - 1, int(self.limit * CUT))), "rate limited")
 
     def _set(self, new: int, reason: str) -> None:
         if new == self.limit:
             return
         old, self.limit = self.limit, new
         self._peak = self.in_flight + len(self._waiters)
+        if reason == "calls succeeded":  # a step of one: not a change of state
+            self.on_change("llm.limit_changed", level="debug", endpoint=self.endpoint,
+                           limit=new, previous=old, reason=reason, in_flight=self.in_flight)
+            return
         self.on_change("llm.limit_changed", endpoint=self.endpoint, limit=new, previous=old,
-                       reason=reason, in_flight=self.in_flight)
+                       reason=reason, in_flight=self.in_flight, **self._counts())
+
+    def _counts(self) -> dict[str, float]:
+        """What happened since the last logged line: 429s, holds, seconds held."""
+        now, since = self.usage, self._since
+        self._since = Usage(rate_limited=now.rate_limited, holds=now.holds, held_s=now.held_s)
+        return {"rate_limited": now.rate_limited - since.rate_limited,
+                "holds": now.holds - since.holds,
+                "held_s": round(now.held_s - since.held_s, 3)}
 
     def _hold(self, seconds: float, reason: str) -> None:
-        until = self.clock() + min(seconds, MAX_HOLD_S)
+        now = self.clock()
+        until = now + min(seconds, MAX_HOLD_S)
         if until <= self.hold_until + 0.05:
-            return  # already held at least as long: one event per hold
-        started = self.hold_until <= self.clock()
+            return  # already held at least as long
+        started = self.hold_until <= now
+        self.usage.held_s += until - max(now, self.hold_until)
         self.hold_until = until
         if started:
-            self.on_change("llm.held", level="warning", endpoint=self.endpoint,
+            self.usage.holds += 1  # counted, not logged: a hold is not a change of state
+            self.on_change("llm.held", level="debug", endpoint=self.endpoint,
                            wait_s=round(seconds, 3), reason=reason, limit=self.limit,
                            in_flight=self.in_flight)
 
     def _pace(self, headers: Mapping[str, str]) -> None:
         """Slow down before the wall: the provider says its window is nearly spent."""
         window = read_rate_headers(headers)
+        stated = (window.requests_limit, window.tokens_limit)
+        if stated != self._stated and stated != (None, None):
+            self._stated = stated  # a change of state: paced on what the provider says
+            self.on_change("llm.pacing", endpoint=self.endpoint,
+                           requests_limit=window.requests_limit,
+                           tokens_limit=window.tokens_limit, **self._counts())
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
-            self._hold(_refill_s(window.requests_reset_s, window.requests_limit,
+            self._hold(refill_s(window.requests_reset_s, window.requests_limit,
                                  window.requests_left, short), "requests nearly spent")
         if window.tokens_left is not None and self._tokens_per_call > 0:
             need = self._tokens_per_call * (self.in_flight + 1) - window.tokens_left
             if need > 0:
-                self._hold(_refill_s(window.tokens_reset_s, window.tokens_limit,
+                self._hold(refill_s(window.tokens_reset_s, window.tokens_limit,
                                      window.tokens_left, need), "tokens nearly spent")
 
 
@@ -221,7 +364,8 @@ class Slot:
             self.held = True
 
     def give_back(self, outcome: str = "unused", *, retry_after_s: float | None = None,
-                  headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
+                  headers: Mapping[str, str] | None = None, tokens: int = 0,
+                  blocked: tuple[str, str] | None = None) -> None:
         if self.limiter is not None and self.held:
             if outcome == "ok" and self.keep_after_reply:
                 self.keep_after_reply = False  # the next give_back() frees it
@@ -229,93 +373,7 @@ class Slot:
                 return
             self.held = False
             self.limiter.release(self._generation, outcome, retry_after_s=retry_after_s,
-                                 headers=headers, tokens=tokens)
-
-
-def _refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
-    """How long until `short` more units are free. Providers refill their window
-    continuously (x-ratelimit-reset-* is when it is full again): the wait for
-    a few units is that share of the reset time, not all of it."""
-    if reset_s is None:
-        return HOLD_WITHOUT_RESET_S
-    if limit is None or limit <= left:
-        return reset_s
-    return min(reset_s, reset_s * short / (limit - left))
-
-
-# ------------------------------------------------------------------ headers
-@dataclass(frozen=True)
-class RateWindow:
-    requests_limit: int | None = None
-    requests_left: int | None = None
-    requests_reset_s: float | None = None
-    tokens_limit: int | None = None
-    tokens_left: int | None = None
-    tokens_reset_s: float | None = None
-
-
-_PREFIX = "llm_provider-"  # litellm repeats every provider header with this prefix
-
-
-def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
-    """OpenAI's x-ratelimit-* and Anthropic's anthropic-ratelimit-* in one shape."""
-    h: dict[str, str] = {}
-    for key, value in headers.items():
-        name = str(key).lower()
-        h.setdefault(name.removeprefix(_PREFIX), str(value))
-
-    def first(*names: str) -> str | None:
-        return next((h[n] for n in names if n in h), None)
-
-    return RateWindow(
-        requests_limit=_int(first("x-ratelimit-limit-requests",
-                                  "anthropic-ratelimit-requests-limit")),
-        tokens_limit=_int(first("x-ratelimit-limit-tokens", "anthropic-ratelimit-tokens-limit",
-                                "anthropic-ratelimit-input-tokens-limit")),
-        requests_left=_int(first("x-ratelimit-remaining-requests",
-                                 "anthropic-ratelimit-requests-remaining")),
-        requests_reset_s=parse_reset(first("x-ratelimit-reset-requests",
-                                           "anthropic-ratelimit-requests-reset")),
-        tokens_left=_int(first("x-ratelimit-remaining-tokens",
-                               "anthropic-ratelimit-tokens-remaining",
-                               "anthropic-ratelimit-input-tokens-remaining")),
-        tokens_reset_s=parse_reset(first("x-ratelimit-reset-tokens",
-                                         "anthropic-ratelimit-tokens-reset",
-                                         "anthropic-ratelimit-input-tokens-reset")),
-    )
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return None if value is None else int(float(value))
-    except ValueError:
-        return None
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-
-
-def parse_reset(value: str | None, now: float | None = None) -> float | None:
-    """Seconds until a window resets: `0.2s`, `6m0s`, `1h2m3.5s`, `20ms`, `12` (seconds),
-    or an RFC 3339 time (Anthropic). None when unreadable."""
-    if not value:
-        return None
-    text = value.strip()
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if parts and "".join(n + u for n, u in parts) == text:
-        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-        return sum(float(n) * scale[u] for n, u in parts)
-    try:
-        at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if at.tzinfo is None:
-        return None
-    return max(0.0, at.timestamp() - (time.time() if now is None else now))
+                                 headers=headers, tokens=tokens, blocked=blocked)
 
 
 def endpoint_name(model: str, api_base: str | None) -> str:
@@ -329,9 +387,12 @@ class Limiters:
     """One limiter per endpoint (model + api_base), made on first use."""
 
     def __init__(self, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
-                 on_change: OnChange | None = None) -> None:
+                 on_change: OnChange | None = None,
+                 probe: Callable[[str, str | None], Probe] | None = None,
+                 probe_s: float = PROBE_S) -> None:
         self.fixed, self.floor, self.ceiling = fixed, floor, ceiling
         self.on_change = on_change
+        self.probe, self.probe_s = probe, probe_s  # probe(model, api_base): that endpoint's
         self._by_endpoint: dict[tuple[str, str | None], Limiter] = {}
 
     def for_endpoint(self, model: str, api_base: str | None) -> Limiter:
@@ -341,8 +402,19 @@ class Limiters:
             # dict assignment is atomic: two threads racing make two, one is kept
             limiter = self._by_endpoint.setdefault(key, Limiter(
                 endpoint_name(model, api_base), fixed=self.fixed, floor=self.floor,
-                ceiling=self.ceiling, on_change=self.on_change))
+                ceiling=self.ceiling, on_change=self.on_change,
+                probe=None if self.probe is None else self.probe(model, api_base),
+                probe_s=self.probe_s))
         return limiter
 
     def all(self) -> list[Limiter]:
         return list(self._by_endpoint.values())
+
+    def refusal(self, model: str, api_base: str | None) -> LLMError | None:
+        """The endpoint is blocked (a refused key): what its calls are refused with."""
+        limiter = self._by_endpoint.get((model, api_base))
+        blocked = limiter is not None and limiter.blocked is not None
+        return limiter.refusal() if blocked and limiter is not None else None
+
+    def blocked(self) -> list[Limiter]:
+        return [limiter for limiter in self.all() if limiter.blocked is not None]

@@ -20,12 +20,13 @@ import asyncio
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ...handlers import loss
 from ..core import config
+from ..core.errors import LLMError
 from ..infra import llm, log
 from ..infra.llm_limit import Limiters, Slot
 from ..infra.llm_loop import LLMLoop
@@ -69,7 +70,8 @@ class Jobs:
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  stopping: threading.Event, metrics: Metrics, pipeline: Pipeline,
-                 budget: Budget, llm_loop: LLMLoop) -> None:
+                 budget: Budget, llm_loop: LLMLoop,
+                 on_unblocked: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -83,7 +85,8 @@ class Jobs:
         self.limiters = Limiters(fixed=cfg.loss.fixed_concurrency,
                                  floor=cfg.loss.concurrency_min_calls,
                                  ceiling=cfg.loss.concurrency_max_calls,
-                                 on_change=self._limit_event)
+                                 on_change=self._limit_event, probe=self._probe,
+                                 probe_s=cfg.llm.probe_refused_key_s)
         metrics.watch_limiters(self.limiters)
         self.llm = llm_loop
         metrics.watch_llm_loop(llm_loop)
@@ -97,6 +100,8 @@ class Jobs:
         self._waiting: set[asyncio.Task[None]] = set()
         self._aborted: asyncio.Event | None = None
         self.in_call = 0  # jobs holding a slot (read from other threads: a plain int)
+        # A key the provider refused works again: the sets that waited are looked at.
+        self.on_unblocked = on_unblocked
 
     def send(self, ticket: Ticket) -> Outcome:
         """A live call for the set: prepare -> call -> finish -> decide."""
@@ -124,8 +129,19 @@ class Jobs:
     def _limit_event(self, event: str, **fields: Any) -> None:
         """A limiter's event, logged; a limit that moved is kept for `status` too."""
         self.emit(event, **fields)
+        if event == "llm.unblocked" and self.on_unblocked is not None:
+            self.on_unblocked()
         if event == "llm.limit_changed":
             self.state.note_daemon(llm_limit=(str(fields["endpoint"]), int(fields["limit"])))
+
+    def refused_key(self) -> LLMError | None:
+        """The configured endpoint's key is refused (quota, billing, auth): why."""
+        return self.limiters.refusal(self.cfg.llm.model, self.cfg.llm.api_base)
+
+    def _probe(self, model: str, api_base: str | None) -> Callable[[], Awaitable[str]]:
+        """A blocked endpoint's probe: one small real call with the configured key."""
+        settings = self.cfg.llm.model_copy(update={"model": model, "api_base": api_base})
+        return lambda: llm.probe(settings)
 
     async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the job pool, with this task's context (its log fields)."""
@@ -196,6 +212,8 @@ class Jobs:
         self._waiting.add(task)
         try:
             await slot.take()  # a job starts when its endpoint has room for its call
+        except LLMError as e:  # the provider refuses the key: the set waits, unsent
+            return await self._in_pool(self.pipeline.decide, ticket, None, e)
         finally:
             self._waiting.discard(task)
         self.in_call += 1
@@ -253,6 +271,8 @@ class Jobs:
         self.abort.set()
 
         def on_loop() -> None:
+            for limiter in self.limiters.all():
+                limiter.close()  # no probe of a refused key after this
             if self._aborted is not None:
                 self._aborted.set()
             for task in list(self._waiting):

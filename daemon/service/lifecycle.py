@@ -118,7 +118,7 @@ class Daemon:
         pipeline = Pipeline(cfg, self.templates, self.outcomes)
         self.jobs = Jobs(cfg, self.state, self.emit, stopping=self.stop_event,
                          metrics=self.metrics, pipeline=pipeline, budget=self.budget,
-                         llm_loop=llm_loop.shared())
+                         llm_loop=llm_loop.shared(), on_unblocked=self.revisits.scan_soon)
         self.batcher = Batcher(cfg, self.state, self.emit, stopping=self.stop_event,
                                pipeline=pipeline, discovery=self.discovery,
                                finish_paid=self.jobs.finish_paid, wall_clock=self.clock)
@@ -131,15 +131,16 @@ class Daemon:
                                     settle=settle, discovery=self.discovery, owner=self.owner,
                                     budget=self.budget, steps=self.steps, loop=self.loop,
                                     templates=self.templates, heartbeat=self.heartbeat,
-                                    scanned=self._scanned)
+                                    scanned=self._scanned, refused_key=self.jobs.refused_key)
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.revisits.scan_soon)
         metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
 
     @property
     def failures(self) -> int:
-        """Sets failed, refused or unusable, optimizer runs failed: --once's exit code."""
-        return self.reconcile.failures + self.outcomes.failures + self.steps.failures
+        """Sets failed, refused or unusable, optimizer runs failed, keys refused: --once's exit."""
+        return (self.reconcile.failures + self.outcomes.failures + self.steps.failures
+                + len(self.jobs.limiters.blocked()))
 
     # ----------------------------------------------------------------- events
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:

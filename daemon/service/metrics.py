@@ -79,12 +79,26 @@ class _Limiters(Collector):
                                       "(429, or 503 with Retry-After)", labels=["endpoint"])
         calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Call attempts that reached the "
                                     "endpoint or failed on the way", labels=["endpoint"])
+        blocked = GaugeMetricFamily(f"{PREFIX}_llm_endpoint_blocked",
+                                    "1 while the provider refuses the endpoint's key (quota, "
+                                    "billing, authentication): no call goes out",
+                                    labels=["endpoint", "kind"])
+        holds = CounterMetricFamily(f"{PREFIX}_llm_holds", "Times no new call of the endpoint "
+                                    "could start for a while (Retry-After, the provider's "
+                                    "rate-limit headers)", labels=["endpoint"])
+        held = CounterMetricFamily(f"{PREFIX}_llm_held_seconds", "Seconds no new call of the "
+                                   "endpoint could start", labels=["endpoint"])
         for limiter in self.limiters.all():
+            holds.add_metric([limiter.endpoint], limiter.usage.holds)
+            held.add_metric([limiter.endpoint], limiter.usage.held_s)
+            refused = limiter.blocked
+            blocked.add_metric([limiter.endpoint, refused[0] if refused else ""],
+                               1 if refused else 0)
             limit.add_metric([limiter.endpoint], limiter.limit)
             in_flight.add_metric([limiter.endpoint], limiter.in_flight)
             limited.add_metric([limiter.endpoint], limiter.usage.rate_limited)
             calls.add_metric([limiter.endpoint], limiter.usage.calls)
-        yield from (limit, in_flight, limited, calls)
+        yield from (limit, in_flight, limited, calls, blocked, holds, held)
 
 
 class Metrics:

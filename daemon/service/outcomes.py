@@ -1,11 +1,13 @@
 """What a loss job came to, as a Decision: the state, one event, when to look again.
 
-    reply written  -> loss.completed, cost.total, DONE (the step may be reported)
+    reply written  -> loss.completed, DONE (the step may be reported; its cost.total then)
     inputs changed -> loss.discarded, SETTLING (made anew once settled)
     bad reply      -> loss.refused / loss.contradicted, FAILED, retried after backoff
     bad input      -> loss.refused, REFUSED (until its files change)
     call failed    -> loss.failed, FAILED, retried after backoff up to [loss] max_attempts;
                       the provider's rate limit alone: loss.rate_limited, not counted
+    key refused    -> (quota, billing, auth: the limiter's one llm.blocked) HELD, saying
+                      why, not an attempt; looked at again when the key works (a rescan)
     shutdown       -> QUEUED (found again at the next start)
 
 Where a set is retried: here (when: core/backoff.py's policy), returned in
@@ -77,6 +79,8 @@ class Outcomes:
             return Decision.write(SetState.REFUSED, reason=str(e),
                                   refused_fingerprint=fp.as_json())
         except LLMError as e:
+            if e.blocked:
+                return self.refused_key(key, fp, attempts, e)
             if e.rate_limited:
                 return self._rate_limited(key, fp, attempts, str(e), e.retry_after_s)
             return self.fail(key, fp, attempts, str(e), retry_after_s=e.retry_after_s)
@@ -93,7 +97,7 @@ class Outcomes:
     def _completed(self, key: layout.SetKey, fp: Fingerprint,
                    result: loss.LossResult) -> Decision:
         c = result.completion
-        spend = self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
+        self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
                                      c.cost_usd, tokens_cache_write=c.tokens_cache_write)
         # Logged before the set turns DONE: DONE may complete the step, and
         # step.reported must come after the step's last loss.completed.
@@ -103,9 +107,6 @@ class Outcomes:
                   attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
                   craft_distance=result.sidecar.get("craft_distance"),
                   **result.claims.event_fields())
-        self.emit("cost.total", tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
-                  cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
-                  tokens_cache_write=spend.tokens_cache_write)
         self.steps.reopen(key)
         return Decision.write(SetState.DONE, reason=None, attempts=0, next_retry_at=None,
                               fingerprint=fp.as_json(), rate_limited=0)
@@ -126,6 +127,16 @@ class Outcomes:
                               next_retry_at=next_at, fingerprint=fp.as_json(), rate_limited=0,
                               revisit=None if next_at is None else Revisit(key, next_at,
                                                                            Why.RETRY))
+
+    def refused_key(self, key: layout.SetKey, fp: Fingerprint, attempts: int,
+                    error: LLMError) -> Decision:
+        """The provider refuses the key (quota, billing, auth): the set waits, saying
+        why, with its attempts as they were. No event of its own (the endpoint's
+        llm.blocked is the one) and no revisit: the endpoint's unblocking rescans."""
+        report_exists = key.report_path(self.cfg.paths.runs).exists()
+        return Decision.write(SetState.STALE if report_exists else SetState.HELD,
+                              reason=str(error), attempts=attempts, next_retry_at=None,
+                              rate_limited=0)
 
     def _rate_limited(self, key: layout.SetKey, fp: Fingerprint, attempts: int, reason: str,
                       retry_after_s: float | None) -> Decision:

@@ -22,6 +22,7 @@ on its way to a report is not evaluated: the owner looks once more after):
     the same input was refused                 nothing, until the input changes
     failed: gave up, or its backoff runs       nothing / looked at when the backoff ends
     over budget                                HELD / STALE
+    the provider refuses the key               HELD / STALE, looked at when it works again
     otherwise                                  send: a ticket for a transport
 """
 from __future__ import annotations
@@ -63,8 +64,11 @@ class Reconciler:
                  revisits: Revisits, settle: SettleClock, discovery: Discovery,
                  owner: SetOwner, budget: Budget, steps: Steps, loop: Loop,
                  templates: PromptTemplates, heartbeat: Heartbeat,
-                 scanned: Callable[[set[Path]], None]) -> None:
+                 scanned: Callable[[set[Path]], None],
+                 refused_key: Callable[[], Exception | None] = lambda: None) -> None:
         self.cfg = cfg
+        # The endpoint's key refused (quota, billing, auth: llm_limit.py): why, or None.
+        self.refused_key = refused_key
         self.runs = cfg.paths.runs
         self.state = state
         self.emit = emit
@@ -235,13 +239,23 @@ class Reconciler:
                 return NOTHING  # gave up; stays visible as failed until its input changes
             if rec.next_retry_at and rec.next_retry_at > now:
                 return Decision.look(Revisit(key, rec.next_retry_at, Why.RETRY))
-        if (held := self.budget.hold(key)) is not None:
+        if (held := self._held(key, report_exists)) is not None:
             return held
         if report_exists:
             self._report_stale(key)
         attempts = rec.attempts if rec and rec.state == SetState.FAILED \
             and rec.fingerprint == fp.as_json() else 0
         return Decision(send=Ticket(key, work, fp, attempts))
+
+    def _held(self, key: layout.SetKey, report_exists: bool) -> Decision | None:
+        """Over budget, or the provider refuses the key: not sent (it would be
+        refused too; the endpoint's unblocking rescans)."""
+        if (held := self.budget.hold(key)) is not None:
+            return held
+        if (refused := self.refused_key()) is not None:
+            return Decision.write(SetState.STALE if report_exists else SetState.HELD,
+                                  reason=str(refused))
+        return None
 
     def _waiting(self, key: layout.SetKey, obs: Observation) -> Decision:
         """An incomplete range: one event when it will not complete by itself."""

@@ -95,10 +95,20 @@ class Steps:
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
                       **again, **curve.step_fields(self.runs, step))
+            self._cost_total(step.run)
         if first_time or no_command:
             self.marker_changed.set()
         if due:
             self._trigger_optimizer(step)
+
+    def _cost_total(self, run: str) -> None:
+        """The run's spend, once per step reported (not per job; and at stop)."""
+        spend = self.state.spend.get(run)
+        if spend is not None:
+            self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
+                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6),
+                      tokens_cached=spend.tokens_cached,
+                      tokens_cache_write=spend.tokens_cache_write)
 
     def reopen(self, key: layout.SetKey) -> None:
         """A new report in a step already reported: the optimizer learnt from the

@@ -1,0 +1,101 @@
+"""What a provider says of its rate limit in its headers, in one shape.
+
+OpenAI's x-ratelimit-limit-/remaining-/reset-requests and -tokens,
+Anthropic's anthropic-ratelimit-*, and litellm's `llm_provider-` copies of
+them; how long a window takes to refill a few units.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
+
+
+def refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
+    """How long until `short` more units are free. Providers refill their window
+    continuously (x-ratelimit-reset-* is when it is full again): the wait for
+    a few units is that share of the reset time, not all of it."""
+    if reset_s is None:
+        return HOLD_WITHOUT_RESET_S
+    if limit is None or limit <= left:
+        return reset_s
+    return min(reset_s, reset_s * short / (limit - left))
+
+
+# ------------------------------------------------------------------ headers
+@dataclass(frozen=True)
+class RateWindow:
+    requests_limit: int | None = None
+    requests_left: int | None = None
+    requests_reset_s: float | None = None
+    tokens_limit: int | None = None
+    tokens_left: int | None = None
+    tokens_reset_s: float | None = None
+
+
+_PREFIX = "llm_provider-"  # litellm repeats every provider header with this prefix
+
+
+def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
+    """OpenAI's x-ratelimit-* and Anthropic's anthropic-ratelimit-* in one shape."""
+    h: dict[str, str] = {}
+    for key, value in headers.items():
+        name = str(key).lower()
+        h.setdefault(name.removeprefix(_PREFIX), str(value))
+
+    def first(*names: str) -> str | None:
+        return next((h[n] for n in names if n in h), None)
+
+    return RateWindow(
+        requests_limit=_int(first("x-ratelimit-limit-requests",
+                                  "anthropic-ratelimit-requests-limit")),
+        tokens_limit=_int(first("x-ratelimit-limit-tokens", "anthropic-ratelimit-tokens-limit",
+                                "anthropic-ratelimit-input-tokens-limit")),
+        requests_left=_int(first("x-ratelimit-remaining-requests",
+                                 "anthropic-ratelimit-requests-remaining")),
+        requests_reset_s=parse_reset(first("x-ratelimit-reset-requests",
+                                           "anthropic-ratelimit-requests-reset")),
+        tokens_left=_int(first("x-ratelimit-remaining-tokens",
+                               "anthropic-ratelimit-tokens-remaining",
+                               "anthropic-ratelimit-input-tokens-remaining")),
+        tokens_reset_s=parse_reset(first("x-ratelimit-reset-tokens",
+                                         "anthropic-ratelimit-tokens-reset",
+                                         "anthropic-ratelimit-input-tokens-reset")),
+    )
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(float(value))
+    except ValueError:
+        return None
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def parse_reset(value: str | None, now: float | None = None) -> float | None:
+    """Seconds until a window resets: `0.2s`, `6m0s`, `1h2m3.5s`, `20ms`, `12` (seconds),
+    or an RFC 3339 time (Anthropic). None when unreadable."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if parts and "".join(n + u for n, u in parts) == text:
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+        return sum(float(n) * scale[u] for n, u in parts)
+    try:
+        at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        return None
+    return max(0.0, at.timestamp() - (time.time() if now is None else now))
