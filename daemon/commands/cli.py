@@ -184,6 +184,7 @@ def _install_service(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    a_process = argv is None  # the `skilltrain` command itself, not a caller's in-process use
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["install-service"]:
@@ -204,6 +205,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         # `skilltrain status | head`: the reader left; not an error worth a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    if a_process and getattr(args, "command", None) == "loss":
+        # Its files are written (atomically) or refused and its lines said: end now.
+        # An LLM call leaves litellm's threads and exit handlers behind, and the
+        # interpreter's shutdown waits on them (seen once: a one-shot loss in CI
+        # that never ended). The daemon ends the same way (process.py).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
     sys.exit(int(code))
 
 
