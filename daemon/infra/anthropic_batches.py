@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from ..core.config import LLMConfig
 from . import llm
-from .batch_api import BatchAPIError, BatchStatus, ItemResult, batch_cost
+from .batch_api import BatchAPI, BatchAPIError, BatchStatus, ItemResult, batch_cost
 
 API_VERSION = "2023-06-01"
 DEFAULT_BASE = "https://api.anthropic.com"
@@ -97,8 +96,9 @@ def _cache_write_price(model: str) -> float:
     return write * (batch_in / live_in if live_in else 1.0)
 
 
-class AnthropicBatchAPI:
-    """submit, retrieve, cancel, find, results: the calls batch.py makes."""
+class AnthropicBatchAPI(BatchAPI):
+    """submit, retrieve, cancel, find, results: the calls batch.py makes (the client's
+    life, one per daemon, as the OpenAI shape's)."""
 
     request_line = staticmethod(request_line)
     completion = staticmethod(completion)
@@ -107,31 +107,19 @@ class AnthropicBatchAPI:
     PROVIDER = "anthropic"
 
     def __init__(self, settings: LLMConfig) -> None:
-        self.settings = settings
+        super().__init__(settings)
         base = (settings.api_base or DEFAULT_BASE).rstrip("/")
         self.base = base[:-3] if base.endswith("/v1") else base
-        self._client: Any = None
-        self._lock = threading.Lock()
 
-    def client(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                import httpx
+    def _new_client(self) -> Any:
+        import httpx
 
-                key = os.environ.get("ANTHROPIC_API_KEY") or llm.LOCAL_SERVER_KEY
-                self._client = httpx.Client(
-                    timeout=self.settings.timeout_s,
-                    headers={"x-api-key": key, "anthropic-version": API_VERSION,
-                             "content-type": "application/json"})
-            return self._client
+        key = os.environ.get("ANTHROPIC_API_KEY") or llm.LOCAL_SERVER_KEY
+        return httpx.Client(timeout=self.settings.timeout_s,
+                            headers={"x-api-key": key, "anthropic-version": API_VERSION,
+                                     "content-type": "application/json"})
 
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-    def _call(self, what: str, method: str, url: str, **kwargs: Any) -> Any:
+    def _request(self, what: str, method: str, url: str, **kwargs: Any) -> Any:
         try:
             response = self.client().request(method, url, **kwargs)
             response.raise_for_status()
@@ -147,14 +135,14 @@ class AnthropicBatchAPI:
     def submit(self, lines: Sequence[str], metadata: dict[str, str]) -> str:
         """Create the batch (its requests inline); its provider id. No metadata here."""
         requests = [json.loads(line) for line in lines]
-        batch = self._call("create", "POST", self._url(), json={"requests": requests}).json()
+        batch = self._request("create", "POST", self._url(), json={"requests": requests}).json()
         return str(batch["id"])
 
     def retrieve(self, batch_id: str) -> BatchStatus:
-        return _status(self._call("poll", "GET", self._url(batch_id)).json())
+        return _status(self._request("poll", "GET", self._url(batch_id)).json())
 
     def cancel(self, batch_id: str) -> None:
-        self._call("cancel", "POST", self._url(batch_id, "cancel"))
+        self._request("cancel", "POST", self._url(batch_id, "cancel"))
 
     def find(self, key: str, created_after: float, requests: int) -> str | None:
         """The batch a daemon killed before it saved the id created: the newest one
@@ -162,7 +150,7 @@ class AnthropicBatchAPI:
         after: str | None = None
         for _ in range(LIST_PAGES):
             params: dict[str, Any] = {"limit": LIST_PAGE, **({"after_id": after} if after else {})}
-            page = self._call("list", "GET", self._url(), params=params).json()
+            page = self._request("list", "GET", self._url(), params=params).json()
             data = list(page.get("data") or [])
             for batch in data:  # newest first
                 created = _epoch(batch.get("created_at"))
@@ -180,7 +168,7 @@ class AnthropicBatchAPI:
         items are left out: unanswered, they are sent again."""
         if not url:
             return []
-        text = self._call("download", "GET", url).text
+        text = self._request("download", "GET", url).text
         return [r for r in (_item(line) for line in text.splitlines() if line.strip()) if r]
 
 

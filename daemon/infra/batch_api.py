@@ -97,7 +97,7 @@ def api_for(settings: LLMConfig) -> BatchAPI:
     if provider == "anthropic":
         from .anthropic_batches import AnthropicBatchAPI
 
-        return AnthropicBatchAPI(settings)  # type: ignore[return-value]
+        return AnthropicBatchAPI(settings)
     return BatchAPI(settings)
 
 
@@ -142,16 +142,19 @@ class BatchAPI:
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
-                llm.litellm()  # the offline cost map and quiet logging, set up once
-                import openai
-
-                key = os.environ.get("OPENAI_API_KEY")
-                if self.settings.api_base and llm.missing_credentials(
-                        self.settings.model, self.settings.api_base):
-                    key = llm.LOCAL_SERVER_KEY
-                self._client = openai.OpenAI(api_key=key, base_url=self.settings.api_base,
-                                             timeout=self.settings.timeout_s, max_retries=0)
+                self._client = self._new_client()
             return self._client
+
+    def _new_client(self) -> Any:
+        llm.litellm()  # the offline cost map and quiet logging, set up once
+        import openai
+
+        key = os.environ.get("OPENAI_API_KEY")
+        if self.settings.api_base and llm.missing_credentials(
+                self.settings.model, self.settings.api_base):
+            key = llm.LOCAL_SERVER_KEY
+        return openai.OpenAI(api_key=key, base_url=self.settings.api_base,
+                             timeout=self.settings.timeout_s, max_retries=0)
 
     def close(self) -> None:
         with self._lock:
