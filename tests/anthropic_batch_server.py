@@ -22,10 +22,11 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from tests.batch_server import LoopbackServer
 from tests.llm_server import DEFAULT_REPORT
 
 Request = dict[str, Any]  # one {custom_id, params} of a batch
@@ -92,8 +93,10 @@ def _message(request: Request) -> dict[str, Any]:
                       if cached else 0}}
 
 
-class AnthropicBatchServer:
+class AnthropicBatchServer(LoopbackServer):
     """The loopback Message Batches API."""
+
+    THREAD_NAME = "anthropic-batch-server"
 
     def __init__(self) -> None:
         self.plan = AnthropicPlan()
@@ -105,33 +108,10 @@ class AnthropicBatchServer:
         self.billed: list[str] = []  # "<batch id>/<custom_id>" of each succeeded request
         self.live_requests = 0  # POST /v1/messages: the live half of a bench
         self.headers_seen: list[dict[str, str]] = []
-        self._httpd: ThreadingHTTPServer | None = None
-
-    def start(self) -> AnthropicBatchServer:
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        httpd.daemon_threads = True
-        httpd.owner = self  # type: ignore[attr-defined]
-        self._httpd = httpd
-        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True, name="anthropic-batch-server").start()
-        return self
-
-    def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-
-    def __enter__(self) -> AnthropicBatchServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:
-        assert self._httpd is not None
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return self.root_url
 
     def requests(self) -> list[Request]:
         """Every request of every batch created."""
@@ -275,3 +255,6 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, found) if found else self._missing()
         else:
             self._missing()
+
+
+AnthropicBatchServer.HANDLER = _Handler

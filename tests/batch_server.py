@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs, urlparse
 
 from tests.llm_server import DEFAULT_REPORT, Reply, Request, completion_body
@@ -83,8 +83,45 @@ class _Batch:
                 "metadata": self.metadata}
 
 
-class BatchServer:
+class LoopbackServer:
+    """A ThreadingHTTPServer on 127.0.0.1's next free port, serving `HANDLER` in a
+    thread; the handler reaches this object as `self.server.owner`."""
+
+    HANDLER: type[BaseHTTPRequestHandler]
+    THREAD_NAME = "loopback-server"
+    _httpd: ThreadingHTTPServer | None = None
+
+    def start(self) -> Self:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.HANDLER)
+        httpd.daemon_threads = True
+        httpd.owner = self  # type: ignore[attr-defined]
+        self._httpd = httpd
+        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True, name=self.THREAD_NAME).start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def root_url(self) -> str:
+        assert self._httpd is not None
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+
+class BatchServer(LoopbackServer):
     """The loopback files + batches API (and chat completions)."""
+
+    THREAD_NAME = "batch-server"
 
     def __init__(self, *, responder: Responder = default_responder) -> None:
         self.responder = responder
@@ -102,34 +139,10 @@ class BatchServer:
         self.live_requests = 0
         self.era = 0  # set by a test: which daemon was running when a request came
         self.live_log: list[tuple[int, dict[str, Any]]] = []  # (era, body) of each live call
-        self._httpd: ThreadingHTTPServer | None = None
-
-    # -- lifecycle
-    def start(self) -> BatchServer:
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        httpd.daemon_threads = True
-        httpd.owner = self  # type: ignore[attr-defined]
-        self._httpd = httpd
-        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True, name="batch-server").start()
-        return self
-
-    def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-
-    def __enter__(self) -> BatchServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:
-        assert self._httpd is not None
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}/v1"
+        return f"{self.root_url}/v1"
 
     # -- what a test looks at
     def batch_list(self) -> list[_Batch]:
@@ -351,3 +364,6 @@ def _multipart_file(content_type: str, raw: bytes) -> bytes:
             payload = part.get_payload(decode=True)
             return payload if isinstance(payload, bytes) else b""
     return b""
+
+
+BatchServer.HANDLER = _Handler
