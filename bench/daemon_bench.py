@@ -385,16 +385,18 @@ SETS_PER_STEP = 10  # 5 works x 2 ranges of 3 episodes (the example work has 6)
 
 
 def throughput_workspace(
-    ws: Workspace, sets: int, server_url: str, concurrency: int = 8
+    ws: Workspace, sets: int, server_url: str, concurrency: int = 8,
+    per_step: int = SETS_PER_STEP,
 ) -> list[dict[str, Any]]:
-    """`sets` finished sets (with _SUCCESS), 10 per step; returns their descriptions."""
+    """`sets` finished sets (with _SUCCESS), `per_step` (even) per step, two ranges
+    of each work; returns their descriptions."""
     human, model = example_episodes("human"), example_episodes("model_draft")
-    works = [f"w{i}" for i in range(SETS_PER_STEP // 2)]
+    works = [f"w{i}" for i in range(max(1, per_step // 2))]
     for name in works:
         ws.add_work(name, human)
     ws.write_config(api_base=server_url, concurrency=concurrency, settle_s=0)
     todo = []
-    for step in range(math.ceil(sets / SETS_PER_STEP)):
+    for step in range(math.ceil(sets / (2 * len(works)))):
         for name in works:
             write_scripts(scripts_dir(ws.runs, "bench", 0, step, name), model, success=True)
             for first, last in ((1, 3), (4, 6)):

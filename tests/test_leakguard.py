@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -337,7 +339,7 @@ def test_redact_multiple_and_no_leaks() -> None:
     assert redact(text, []) == text
 
 
-def test_index_for_caches_by_content() -> None:
+def test_index_for_caches_by_content(monkeypatch: pytest.MonkeyPatch) -> None:
     first = leakguard.index_for("cache-test", {1: HUMAN_EP1})
     again = leakguard.index_for("cache-test", {1: str(HUMAN_EP1)})
     assert again is first
@@ -345,9 +347,33 @@ def test_index_for_caches_by_content() -> None:
     assert changed is not first
     renumbered = leakguard.index_for("cache-test", {2: HUMAN_EP1})
     assert renumbered is not first
-    for i in range(leakguard_index._CACHE_SIZE):  # evicts the oldest
-        leakguard.index_for(f"filler-{i}", {1: f"line {i}"})
+    kept = leakguard.index_for("cache-test", {1: HUMAN_EP1})
+    assert kept is first
+    # Bounded by words, not works: fillers of first.n_words words push it out.
+    monkeypatch.setattr(leakguard_index, "CACHE_WORDS", first.n_words * 2)
+    filler = " ".join(f"word{i}" for i in range(first.n_words))
+    for i in range(2):
+        leakguard.index_for(f"filler-{i}", {1: filler})
     assert leakguard.index_for("cache-test", {1: HUMAN_EP1}) is not first
+
+
+def test_index_for_builds_a_work_once_for_jobs_that_start_together(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 jobs of one new work at once: one build, and all of them get it."""
+    builds: list[str] = []
+    real_build = leakguard_index.HumanIndex.build
+
+    def slow_build(work: str, episodes: Any, **kw: Any) -> HumanIndex:
+        builds.append(work)
+        time.sleep(0.2)  # the other jobs arrive while it builds
+        return real_build(work, episodes, **kw)
+
+    monkeypatch.setattr(leakguard_index.HumanIndex, "build", slow_build)
+    text = {1: HUMAN_EP1 + "\nA line only this test has."}
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: leakguard.index_for("together", text), range(32)))
+    assert builds == ["together"]
+    assert all(index is got[0] for index in got)
 
 
 def test_index_holds_no_human_text(index: HumanIndex) -> None:

@@ -42,8 +42,11 @@ from .revisit import Revisit
 Emit = Callable[..., None]
 T = TypeVar("T")
 # Threads for the jobs' file work (read, render, guard, write): milliseconds a
-# job, while its call takes seconds on the loop; more would only contend for the GIL.
-POOL_THREADS = 4
+# job, while its call takes seconds on the loop. Two: one computes while the
+# other waits on an fsync. Four cost a third more CPU a job (bench/llm_bench.py
+# cpu: 24.7 against 18.1 ms): every syscall of a thread that contends for the
+# GIL becomes futex calls (2,000 a job with four).
+POOL_THREADS = 2
 
 Finish = Callable[[], loss.LossResult]  # a batch's reply checked and written: pipeline.finish
 
