@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import config, layout, run_toml
+from ..core import config, layout
 from ..infra import log
 from ..infra.batch_api import FINAL, BatchAPIError, BatchStatus, api_for, supported
 from ..infra.state import SetState, StateStore
@@ -86,7 +86,6 @@ class Batcher:
         self._records: dict[str, BatchRecord] = {}  # by our key
         self._next_poll: dict[str, float] = {}
         self._interval: dict[str, float] = {}
-        self._modes: dict[str, tuple[int, str]] = {}  # run -> (run.toml mtime_ns, mode)
         self._thread: threading.Thread | None = None
         self._unsupported: list[str | None] = []  # [why not], once asked (imports litellm)
 
@@ -117,18 +116,8 @@ class Batcher:
         return outcome
 
     def mode(self, run: str) -> str:
-        """`[llm] mode` of runs/<run>/run.toml (read once per change), else config.toml's."""
-        path = run_toml.path_of(self.runs, run)
-        try:
-            mtime = path.stat().st_mtime_ns
-        except OSError:
-            return self.cfg.llm.mode
-        cached = self._modes.get(run)
-        if cached and cached[0] == mtime:
-            return cached[1]
-        mode = self.discovery.run_settings(run).llm_mode or self.cfg.llm.mode
-        self._modes[run] = (mtime, mode)
-        return mode
+        """`[llm] mode` of runs/<run>/run.toml, else config.toml's."""
+        return self.discovery.run_settings(run).llm_mode or self.cfg.llm.mode
 
     # ------------------------------------------------------------ life
     def start(self) -> list[tuple[Ticket, Outcome, str]]:

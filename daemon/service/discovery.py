@@ -34,6 +34,8 @@ class Discovery:
         self._data_signature: tuple[tuple[str, int], ...] | None = None
         self._named: set[str] = set()  # "<path>: <reason>" already logged
         self._noticed_this_scan: set[str] = set()
+        # run -> (its run.toml's stat signature, what it says): read once per change
+        self._run_tomls: dict[str, tuple[tuple[int, int, int], run_toml.RunToml]] = {}
 
     def load_works(self) -> None:
         """Read data/ at start (a bad work.toml is a ConfigError: exit 2)."""
@@ -118,9 +120,27 @@ class Discovery:
                 yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
 
     def run_settings(self, run: str) -> run_toml.RunToml:
-        """runs/<run>/run.toml, each of its problems named once (and shown by status)."""
+        """runs/<run>/run.toml, each of its problems named once (and shown by status).
+
+        Asked for every job (its works, its mode): parsed again only when the
+        file changed (inode, size, mtime), a stat otherwise.
+        """
         path = run_toml.path_of(self.runs, run)
-        settings = run_toml.read(path)
+        try:
+            st = path.stat()
+            signature: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            self._run_tomls.pop(run, None)
+            return run_toml.RunToml()  # no file, no setting (run_toml.read says the same)
+        except OSError:
+            signature = None  # unreadable: run_toml.read names the problem
+        cached = self._run_tomls.get(run)
+        if cached is not None and cached[0] == signature:
+            settings = cached[1]
+        else:
+            settings = run_toml.read(path)
+            if signature is not None:
+                self._run_tomls[run] = (signature, settings)
         for problem in settings.problems:
             self.ignore(path, problem)
         return settings
