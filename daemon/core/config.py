@@ -36,6 +36,14 @@ LLM_ENV_PREFIX = "SKILLTRAIN_LLM_"
 STATE_ENV = "SKILLTRAIN_STATE"
 BUILTIN_MODEL = "builtin/craft-metrics"
 
+TIMEOUT_S = 600.0  # [llm] timeout_s unset
+FLEX_TIMEOUT_S = 900.0  # the same under flex: OpenAI's advice for flex (15 minutes)
+
+
+def default_timeout_s(service_tier: object) -> float:
+    return FLEX_TIMEOUT_S if service_tier == "flex" else TIMEOUT_S
+
+
 # TOML has no path type: accept a string here, stay strict everywhere else.
 PathValue = Annotated[Path, Strict(False)]
 
@@ -55,7 +63,13 @@ class PathsConfig(_Section):
 class LLMConfig(_Section):
     model: str = Field(BUILTIN_MODEL, min_length=1)
     api_base: str | None = None
-    timeout_s: float = Field(600.0, gt=0)
+    # "flex": OpenAI's flex processing (half price, slower, sometimes "resource
+    # unavailable"; daemon/infra/llm_flex.py). Unset or "standard": not sent.
+    # A run's run.toml [llm] service_tier overrides it for that run.
+    service_tier: Literal["standard", "flex"] | None = None
+    # Unset: 600 s, or 900 s under flex (OpenAI suggests 15 minutes for flex replies).
+    timeout_s: float = Field(default_factory=lambda data: default_timeout_s(
+        data.get("service_tier")), gt=0)
     max_retries: int = Field(4, ge=0, le=20)
     backoff_initial_s: float = Field(2.0, gt=0)
     backoff_max_s: float = Field(120.0, gt=0)
@@ -75,6 +89,28 @@ class LLMConfig(_Section):
     batch_poll_max_s: float = Field(600.0, gt=0)
     # Where an item the batch failed goes: into the next batch, or a live call.
     batch_failed: Literal["batch", "live"] = "batch"
+    # A flex call refused for "resource unavailable" waits this long, then is
+    # sent at the standard tier ("standard") or asks flex again ("wait").
+    flex_unavailable_wait_s: float = Field(60.0, ge=0)
+    flex_fallback: Literal["standard", "wait"] = "standard"
+
+    @property
+    def flex(self) -> bool:
+        return self.service_tier == "flex"
+
+    def with_tier(self, tier: str | None) -> LLMConfig:
+        """These settings at another service tier (a run's run.toml, a flex fallback):
+        the timeout follows the tier unless [llm] timeout_s was set."""
+        tier = "flex" if tier == "flex" else None
+        if (tier == "flex") == self.flex:
+            return self
+        update: dict[str, Any] = {"service_tier": tier}
+        if "timeout_s" not in self.model_fields_set:
+            update["timeout_s"] = default_timeout_s(tier)
+        copy = self.model_copy(update=update)
+        # Still "not set": a later change of tier moves the timeout again.
+        copy.__pydantic_fields_set__.discard("timeout_s")
+        return copy
 
 
 class LossConfig(_Section):

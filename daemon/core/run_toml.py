@@ -3,6 +3,7 @@
     works = ["example"]     the works the run is scored on (default: every work in data/)
     [llm]
     mode = "batch"          the run's [llm] mode (default: config.toml's)
+    service_tier = "flex"   the run's [llm] service_tier: "flex" or "standard" (default: config's)
 
 One reading and one error handling for every key: an unreadable file or a
 bad value is a problem (what, and that the default applies), which the
@@ -18,12 +19,14 @@ from typing import Any
 from . import layout
 
 LLM_MODES = ("live", "batch")
+SERVICE_TIERS = ("standard", "flex")
 
 
 @dataclass(frozen=True)
 class RunToml:
     works: tuple[str, ...] | None = None  # None: every work
     llm_mode: str | None = None  # None: config.toml's
+    service_tier: str | None = None  # None: config.toml's
     problems: tuple[str, ...] = ()  # each says what is wrong and what applies instead
 
 
@@ -47,9 +50,16 @@ def read(path: Path) -> RunToml:
         problems.append("works must be a list of work names; using all works")
         works = None
     llm = data.get("llm", {})
-    mode = llm.get("mode") if isinstance(llm, dict) else None
-    if mode is not None and mode not in LLM_MODES:
-        problems.append(f"[llm] mode = {mode!r} is not \"live\" or \"batch\"; "
-                        "using config.toml's")
-        mode = None
-    return RunToml(tuple(works) if works is not None else None, mode, tuple(problems))
+    mode = _choice(llm, "mode", LLM_MODES, problems)
+    tier = _choice(llm, "service_tier", SERVICE_TIERS, problems)
+    return RunToml(tuple(works) if works is not None else None, mode, tier, tuple(problems))
+
+
+def _choice(llm: Any, key: str, allowed: tuple[str, ...], problems: list[str]) -> str | None:
+    """[llm] <key> if it is one of `allowed`; a problem (config.toml's applies) if not."""
+    value = llm.get(key) if isinstance(llm, dict) else None
+    if value is not None and value not in allowed:
+        choices = " or ".join(f'"{a}"' for a in allowed)
+        problems.append(f"[llm] {key} = {value!r} is not {choices}; using config.toml's")
+        return None
+    return value

@@ -36,9 +36,9 @@ from ..core import backoff, textnorm
 from ..core.config import BUILTIN_MODEL, LLMConfig
 from ..core.errors import ConfigError, LLMError
 from ..guard import leakguard
-from . import llm_loop
+from . import llm_flex, llm_loop
 from .llm_errors import error_headers as _error_headers
-from .llm_errors import refused_key
+from .llm_errors import flex_unavailable, refused_key
 from .llm_errors import retry_after as _retry_after
 from .llm_limit import Slot
 
@@ -158,7 +158,8 @@ def complete(messages: Sequence[Message], settings: LLMConfig, *,
             sync_sleep(seconds)
 
         waits = recorded
-    return llm_loop.shared().run(acomplete(messages, settings, on_retry=on_retry, sleep=waits))
+    return llm_loop.shared().run(llm_flex.complete(acomplete, messages, settings,
+                                                   on_retry=on_retry, sleep=waits))
 
 
 async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
@@ -185,6 +186,9 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
         except RetryableError as e:
             slot.give_back("rate_limited" if e.rate_limited else "error",
                            retry_after_s=e.retry_after_s, headers=e.headers)
+            raise
+        except llm_flex.FlexUnavailable:
+            slot.give_back(llm_flex.FLEX_OUTCOME)  # no rate limit: the limit stays
             raise
         except LLMError as e:
             # A key the provider refuses (quota, billing, auth) blocks the endpoint.
@@ -283,7 +287,8 @@ async def probe(settings: LLMConfig) -> str:
     """One small real call, no retry: does the endpoint take the key again? "ok";
     "blocked" (still refused); "rate_limited" (the key works, the provider is
     busy); "error" (nothing learnt: a 5xx, a timeout)."""
-    small = settings.model_copy(update={"max_output_tokens": 1, "max_retries": 0})
+    small = settings.model_copy(update={"max_output_tokens": 1, "max_retries": 0,
+                                        "service_tier": None})  # flex's 429s say nothing of the key
     try:
         await acomplete(PROBE_PROMPT, small)
     except LLMError as e:
@@ -307,6 +312,8 @@ async def _request(lm: ModuleType, kwargs: dict[str, Any], timeout_s: float,
         raise RetryableError(f"no complete reply within {timeout_s:g}s "
                              "([llm] timeout_s bounds the whole request)") from None
     except Exception as e:
+        if flex_unavailable(e):  # flex has no capacity now: llm_flex.complete waits
+            raise llm_flex.FlexUnavailable(describe(e)) from None
         if (kind := refused_key(e)) is not None:
             raise LLMError(describe(e), blocked=kind) from None
         raise
@@ -333,6 +340,8 @@ def _request_kwargs(messages: Sequence[Message], settings: LLMConfig) -> dict[st
         kwargs["max_tokens"] = settings.max_output_tokens
     if settings.temperature is not None:
         kwargs["temperature"] = settings.temperature
+    if settings.flex:
+        kwargs["service_tier"] = "flex"  # litellm passes it on; prices the reply at flex
     if settings.api_base and missing_credentials(settings.model, settings.api_base):
         # A local OpenAI-compatible server needs no key, but the SDK refuses
         # to start without one.

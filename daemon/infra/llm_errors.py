@@ -23,11 +23,7 @@ def refused_key(error: BaseException) -> str | None:
     a 429 is usually a rate limit that a wait fixes (PITFALLS).
     """
     status = getattr(error, "status_code", 0) or 0
-    body = getattr(error, "body", None)
-    inner = body.get("error") if isinstance(body, dict) else None
-    inner = inner if isinstance(inner, dict) else body if isinstance(body, dict) else {}
-    marks = {str(inner.get(k) or "").lower() for k in ("code", "type")}
-    text = " ".join(str(getattr(error, "message", "") or error).split()).lower()
+    marks, text = _marks(error)
     if marks & _QUOTA_CODES or any(c in text for c in _QUOTA_CODES):
         return "quota" if marks & {"insufficient_quota"} or "insufficient_quota" in text \
             else "billing"
@@ -37,6 +33,28 @@ def refused_key(error: BaseException) -> str | None:
                                         "invalid_api_key"}:
         return "authentication"
     return None
+
+
+def flex_unavailable(error: BaseException) -> bool:
+    """Is this OpenAI flex's "429 Resource Unavailable" (no capacity now, not billed)?
+
+    OpenAI's flex guide names it "a `429 Resource Unavailable` error code"
+    (developers.openai.com/api/docs/guides/flex-processing, "Resource
+    unavailable errors"); clients tell it by `error.code == "resource_unavailable"`.
+    Told by code, type or message, like refused_key, not by the status: a
+    429 that says nothing of resources is a rate limit.
+    """
+    marks, text = _marks(error)
+    return "resource_unavailable" in marks or "resource unavailable" in text
+
+
+def _marks(error: BaseException) -> tuple[set[str], str]:
+    """The error body's code and type, and its message in lower case on one line."""
+    body = getattr(error, "body", None)
+    inner = body.get("error") if isinstance(body, dict) else None
+    inner = inner if isinstance(inner, dict) else body if isinstance(body, dict) else {}
+    marks = {str(inner.get(k) or "").lower() for k in ("code", "type")}
+    return marks, " ".join(str(getattr(error, "message", "") or error).split()).lower()
 
 
 def error_headers(error: BaseException) -> dict[str, str]:

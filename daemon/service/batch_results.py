@@ -38,6 +38,7 @@ from ..infra.state import SetState
 from .batch_store import OPEN, BatchItem, BatchRecord
 from .decision import NOTHING, Decision, Outcome, Ticket
 from .jobs import Finish
+from .key_at_provider import KeyAtProvider
 from .observe import Fingerprint
 from .pipeline import Pipeline
 from .revisit import Revisit, Why
@@ -71,7 +72,7 @@ class Results:
         self.clock = clock  # wall clock: submitted_at and a retry's time are kept
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
-        self._retention_said: set[str] = set()  # runs told where their key now is
+        self.key_at_provider = KeyAtProvider(emit)  # runs told where their key now is
         # set id -> the outcome its owner waits on, for each set a record carries
         self._outcomes: dict[str, tuple[Ticket, Outcome]] = {}
 
@@ -167,12 +168,9 @@ class Results:
         for carried in outcomes:
             if carried is not None:
                 carried[1].note(SetState.QUEUED, f"in batch {batch_id}")
-        with self._lock:
-            first = rec.run not in self._retention_said
-            self._retention_said.add(rec.run)
-        if first:  # the answer key now sits at the provider: say where, once
-            self.emit("batch.key_at_provider", run=rec.run, provider=self.api.PROVIDER,
-                      retention=self.api.RETENTION)
+        # The answer key now sits at the provider: say where, once.
+        self.key_at_provider.sent(rec.run, provider=self.api.PROVIDER,
+                                  retention=self.api.RETENTION, via="batch")
         epoch_step = layout.parse_step_id(rec.step) or (None, None)
         self.emit("batch.submitted", run=rec.run, epoch=epoch_step[0], step=epoch_step[1],
                   batch_id=batch_id, sets=len(rec.items), recovered=recovered)

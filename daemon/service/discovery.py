@@ -145,6 +145,12 @@ class Discovery:
             self.ignore(path, problem)
         return settings
 
+    def llm_settings(self, run: str) -> config.LLMConfig:
+        """[llm] for the run's live calls: config.toml's at the service_tier its
+        run.toml names, if it names one (run_settings reads it once per change)."""
+        tier = self.run_settings(run).service_tier
+        return self.cfg.llm if tier is None else self.cfg.llm.with_tier(tier)
+
     def expected_works(self, run: str) -> list[dataset.Work]:
         """All works in data/, or the subset runs/<run>/run.toml lists."""
         names = self.run_settings(run).works

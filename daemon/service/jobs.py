@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 from ...handlers import loss
 from ..core import config
 from ..core.errors import LLMError
-from ..infra import llm, log
+from ..infra import llm, llm_flex, log
 from ..infra.llm_limit import Limiters, Slot
 from ..infra.llm_loop import LLMLoop
 from ..infra.state import SetState, StateStore
 from .budget import Budget
 from .decision import NOTHING, Decision, Outcome, Ticket
+from .key_at_provider import KeyAtProvider
 from .metrics import Metrics
 from .observe import observe, sigs_digest
 from .outcomes import Abandoned
@@ -74,7 +75,8 @@ class Jobs:
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  stopping: threading.Event, metrics: Metrics, pipeline: Pipeline,
                  budget: Budget, llm_loop: LLMLoop,
-                 on_unblocked: Callable[[], None] | None = None) -> None:
+                 on_unblocked: Callable[[], None] | None = None,
+                 llm_settings: Callable[[str], config.LLMConfig] | None = None) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -91,6 +93,11 @@ class Jobs:
                                  on_change=self._limit_event, probe=self._probe,
                                  probe_s=cfg.llm.probe_refused_key_s)
         metrics.watch_limiters(self.limiters)
+        # A run's [llm] (its run.toml's service_tier): Discovery.llm_settings.
+        self.llm_settings = llm_settings or (lambda run: cfg.llm)
+        self.flex = llm_flex.FlexWatch(on_change=self.emit)  # flex's "resource unavailable"
+        metrics.watch_flex(self.flex)
+        self.key_at_provider = KeyAtProvider(emit)
         self.llm = llm_loop
         metrics.watch_llm_loop(llm_loop)
         self.abort = threading.Event()  # abandon jobs waiting to retry
@@ -136,6 +143,11 @@ class Jobs:
             self.on_unblocked()
         if event == "llm.limit_changed":
             self.state.note_daemon(llm_limit=(str(fields["endpoint"]), int(fields["limit"])))
+
+    def warm_up(self) -> None:
+        """litellm imported and the tokenizer loaded; a flex model with no flex price said."""
+        llm.warm_up(self.cfg.llm.model)
+        self.flex.check_price(self.cfg.llm)
 
     def refused_key(self) -> LLMError | None:
         """The configured endpoint's key is refused (quota, billing, auth): why."""
@@ -224,14 +236,15 @@ class Jobs:
             result: loss.LossResult | None = None
             error: BaseException | None = None
             try:
-                prepared = await self._in_pool(self._prepare, ticket, outcome)
+                prepared, settings = await self._in_pool(self._prepare, ticket, outcome)
 
                 def retry(attempt: int, wait_s: float, error: BaseException) -> None:
                     self.emit("loss.retry", level="warning", attempt=attempt,
                               wait_s=round(wait_s, 3), error=str(error))
 
-                completion = await self.complete(prepared.messages, settings, on_retry=retry,
-                                                 sleep=self._interruptible_sleep, slot=slot)
+                completion = await llm_flex.complete(
+                    self.complete, prepared.messages, settings, watch=self.flex,
+                    on_retry=retry, sleep=self._interruptible_sleep, slot=slot)
                 # Checks, guard, re-read, then the atomic write: in the pool.
                 result = await self._in_pool(self.pipeline.finish, prepared, completion)
             except EXPECTED as e:
@@ -241,13 +254,20 @@ class Jobs:
             slot.give_back()
             self.in_call -= 1
 
-    def _prepare(self, ticket: Ticket, outcome: Outcome) -> loss.Prepared:
+    def _prepare(self, ticket: Ticket, outcome: Outcome
+                 ) -> tuple[loss.Prepared, config.LLMConfig]:
+        """The set's prompt, and the [llm] its run calls with."""
         self._check_wanted(ticket)
         outcome.note(SetState.RUNNING)
         prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
+        settings = self.llm_settings(ticket.key.run)
         self.emit("loss.started", prompt_chars=len(prepared.prompt),
                   prompt_tokens=prepared.prompt_tokens, attempt=ticket.attempts + 1)
-        return prepared
+        if settings.flex:  # the prompt (the answer key) goes by flex: said once per run
+            self.flex.check_price(settings)
+            self.key_at_provider.sent(ticket.key.run, provider=llm_flex.provider(settings.model),
+                                      retention=llm_flex.FLEX_RETENTION, via="flex")
+        return prepared, settings
 
     async def _interruptible_sleep(self, seconds: float) -> None:
         """A backoff wait that ends (raising Abandoned) when the daemon stops."""

@@ -48,7 +48,7 @@ from ..core.errors import ConfigError, ExitCode
 from ..core.lock import RunsLock
 from ..core.templates import PromptTemplates
 from ..guard import leakguard
-from ..infra import llm, llm_loop, log
+from ..infra import llm, llm_flex, llm_loop, log
 from ..infra.state import SetState, StateStore
 from . import metrics_runs
 from .batch import Batcher
@@ -118,7 +118,8 @@ class Daemon:
         pipeline = Pipeline(cfg, self.templates, self.outcomes)
         self.jobs = Jobs(cfg, self.state, self.emit, stopping=self.stop_event,
                          metrics=self.metrics, pipeline=pipeline, budget=self.budget,
-                         llm_loop=llm_loop.shared(), on_unblocked=self.revisits.scan_soon)
+                         llm_loop=llm_loop.shared(), on_unblocked=self.revisits.scan_soon,
+                         llm_settings=self.discovery.llm_settings)
         self.batcher = Batcher(cfg, self.state, self.emit, stopping=self.stop_event,
                                pipeline=pipeline, discovery=self.discovery,
                                finish_paid=self.jobs.finish_paid, wall_clock=self.clock)
@@ -199,8 +200,7 @@ class Daemon:
                   duration_ms=int((time.monotonic() - self._ready_at) * 1000))
         # litellm's import (~5 s) after the scan, which it would slow, and
         # before the first job's pickup latency would pay for it.
-        threading.Thread(target=llm.warm_up, args=[self.cfg.llm.model],
-                         name="litellm-import", daemon=True).start()
+        threading.Thread(target=self.jobs.warm_up, name="litellm-import", daemon=True).start()
         # What changed in a part of the tree the first scan had passed before
         # its step was watched: one more scan finds it.
         self.revisits.scan_soon()
@@ -459,6 +459,8 @@ def preflight(cfg: config.Config, *, once: bool = False) -> None:
                               "command is needed to write each step")
         writer.check_command(cfg.writer.command)
     llm.check_credentials(cfg.llm)
+    if why := llm_flex.check(cfg.llm):
+        raise ConfigError(why)
     if cfg.llm.mode == "batch":
         from ..infra.batch_api import supported
 

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from ..core.config import split_listen
 from ..core.errors import ConfigError, LLMError
+from ..infra.llm_flex import FlexUnavailable
 
 PREFIX = "skilltrain"
 TOKEN_KINDS = {"in": "tokens_in", "out": "tokens_out", "cached": "tokens_cached",
@@ -99,6 +100,23 @@ class _Limiters(Collector):
             limited.add_metric([limiter.endpoint], limiter.usage.rate_limited)
             calls.add_metric([limiter.endpoint], limiter.usage.calls)
         yield from (limit, in_flight, limited, calls, blocked, holds, held)
+
+
+class _Flex(Collector):
+    """Flex calls refused for "resource unavailable", and the calls sent again after
+    the wait: at the standard tier (fell_back) or at flex (waited)."""
+
+    def __init__(self, flex: Any) -> None:
+        self.flex = flex  # llm_flex.FlexWatch
+
+    def collect(self) -> Iterator[Metric]:
+        counts = CounterMetricFamily(f"{PREFIX}_llm_flex_unavailable",
+                                     "Flex calls refused for \"resource unavailable\" (refused), "
+                                     "and those sent again after the wait, at the standard "
+                                     "tier (fell_back) or at flex (waited)", labels=["what"])
+        for what, n in self.flex.totals.items():
+            counts.add_metric([what], n)
+        yield counts
 
 
 class Metrics:
@@ -212,6 +230,10 @@ class Metrics:
         """Export the LLM endpoints' limiters (llm_limit.Limiters), read at scrape time."""
         self.registry.register(_Limiters(limiters))
 
+    def watch_flex(self, flex: Any) -> None:
+        """Flex's "resource unavailable" refusals and what each led to (llm_flex.FlexWatch)."""
+        self.registry.register(_Flex(flex))
+
     def watch_llm_loop(self, loop: Any) -> None:
         """The LLM event loop's lag (llm_loop.LLMLoop), read at scrape time: how late
         it answered the last health probe, or how long the outstanding one has waited."""
@@ -240,6 +262,9 @@ class Metrics:
             t0 = time.monotonic()
             try:
                 result = await fn(*args, **kwargs)
+            except FlexUnavailable:
+                self.llm_attempts.labels("flex_unavailable").inc()  # not an error: no capacity
+                raise
             except LLMError:
                 self.llm_attempts.labels("error").inc()
                 raise  # anything else (a shutdown's abandon) is not the provider's doing
