@@ -76,6 +76,12 @@ class Request:
         return [m for m in self.body["messages"] if isinstance(m, dict)]
 
     @property
+    def service_tier(self) -> str | None:
+        """The request's service_tier ("flex"), None when it sent none."""
+        tier = self.body.get("service_tier") if self.body is not None else None
+        return tier if isinstance(tier, str) else None
+
+    @property
     def prompt_chars(self) -> int:
         """Total characters of all message contents (text parts of multi-part ones too)."""
         return sum(_content_chars(m.get("content")) for m in self.messages)
@@ -174,12 +180,44 @@ class Reply:
         return dataclasses.replace(cls.ok(content), trickle_s=every_s)
 
     @classmethod
+    def flex_unavailable(cls) -> Reply:
+        """OpenAI flex's "429 Resource Unavailable": no flex capacity now (not billed).
+        OpenAI's flex guide names the status and words; clients test `code`."""
+        return cls.status(429, body={"error": {
+            "message": "Resource Unavailable: flex processing has no capacity for this "
+                       "request now", "type": "resource_unavailable",
+            "code": "resource_unavailable", "param": None}})
+
+    @classmethod
     def delay(cls, seconds: float, reply: Reply) -> Reply:
         """`reply`, sent after waiting `seconds`."""
         return dataclasses.replace(reply, delay_s=seconds)
 
 
 Responder = Callable[[Request], Reply]
+
+
+@dataclasses.dataclass
+class FlexCapacity:
+    """A responder with OpenAI's flex tier: a request with service_tier "flex" is
+    refused (Reply.flex_unavailable) while `unavailable` is set, and also the first
+    `refuse_first` flex requests; every other request gets `reply`."""
+
+    refuse_first: int = 0
+    reply: Reply = dataclasses.field(default_factory=lambda: Reply.ok(DEFAULT_REPORT))
+    unavailable: threading.Event = dataclasses.field(default_factory=threading.Event)
+    flex: int = 0  # flex requests seen
+    refused: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def __call__(self, request: Request) -> Reply:
+        if request.service_tier != "flex":
+            return self.reply
+        with self._lock:
+            self.flex += 1
+            refuse = self.unavailable.is_set() or self.flex <= self.refuse_first
+            self.refused += refuse
+        return Reply.flex_unavailable() if refuse else self.reply
 
 
 def default_responder(request: Request) -> Reply:
@@ -208,6 +246,8 @@ def completion_body(reply: Reply, request: Request) -> dict[str, Any]:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model or "loopback-model",
+        # The tier that served it, as OpenAI says it: "flex" when asked, else "default".
+        "service_tier": "flex" if request.service_tier == "flex" else "default",
         "choices": [
             {
                 "index": 0,
