@@ -263,8 +263,7 @@ class Metrics:
             try:
                 result = await fn(*args, **kwargs)
             except FlexUnavailable:
-                self.llm_attempts.labels("flex_unavailable").inc()  # not an error: no capacity
-                raise
+                raise  # no capacity, not an error: skilltrain_llm_flex_unavailable_total
             except LLMError:
                 self.llm_attempts.labels("error").inc()
                 raise  # anything else (a shutdown's abandon) is not the provider's doing
