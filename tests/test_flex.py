@@ -13,6 +13,7 @@ import json
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +220,7 @@ def test_wait_asks_flex_again_and_never_sends_standard(tmp_path: Path, start: St
         wait_until(lambda: ws.events("llm.flex_available"), 10, message="flex available")
         sent = server.requests
     assert [r.service_tier for r in sent] == ["flex"] * 3
-    assert all(b.monotonic - a.monotonic >= WAIT_S - 0.02 for a, b in zip(sent, sent[1:]))
+    assert all(b.monotonic - a.monotonic >= WAIT_S - 0.02 for a, b in pairwise(sent))
     (unavailable,) = ws.events("llm.flex_unavailable")
     assert unavailable["action"] == f"waiting {WAIT_S:g} s and asking flex again"
     (available,) = ws.events("llm.flex_available")
