@@ -21,11 +21,12 @@ unavailable (saying what is done about it), one `llm.flex_available` with
 counts when a flex call is served again; each refusal is counted for
 Prometheus (skilltrain_llm_flex_unavailable_total), never logged.
 
-Everything here runs on the LLM loop's thread (llm_loop.py): no locks.
+The calls and their counts run on the LLM loop's thread (llm_loop.py): no locks.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -41,8 +42,9 @@ FLEX_OUTCOME = "flex_unavailable"
 # Flex is OpenAI's live API at another tier: the prompt is kept as a live one is.
 FLEX_RETENTION = ("as OpenAI's live API keeps it: abuse-monitoring logs up to 30 days "
                   "unless zero data retention is approved")
-# Providers whose API takes service_tier = "flex" (litellm passes it on as it is).
-FLEX_PROVIDERS = frozenset({"openai", "azure"})
+# Providers whose API takes service_tier = "flex" and litellm 1.110.2 was seen to
+# pass it on to (Azure OpenAI has a flex preview too: not checked, so not offered).
+FLEX_PROVIDERS = frozenset({"openai"})
 
 
 class FlexUnavailable(LLMError):
@@ -87,12 +89,14 @@ class FlexWatch:
         self.totals = {"refused": 0, "fell_back": 0, "waited": 0}
         self._episode = dict(self.totals)
         self._price_checked: set[str] = set()
+        self._price_lock = threading.Lock()  # check_price: from the job pool and the warm-up
 
     def check_price(self, settings: LLMConfig) -> None:
         """A flex model litellm has no flex price for: said once (its cost is the standard one)."""
-        if not settings.flex or settings.model in self._price_checked:
-            return
-        self._price_checked.add(settings.model)
+        with self._price_lock:
+            if not settings.flex or settings.model in self._price_checked:
+                return
+            self._price_checked.add(settings.model)
         if flex_price_missing(settings.model):
             self.on_change("llm.flex_unpriced", level="warning", model=settings.model,
                            reason="litellm has no flex price for this model: its flex calls "
