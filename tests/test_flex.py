@@ -309,3 +309,18 @@ def test_sigkill_while_flex_waits_or_is_in_flight_loses_no_set_and_sends_none_tw
     completed = Counter((e["work"], e["range"]) for e in ws.events("loss.completed"))
     assert len(completed) == len(sets) and set(completed.values()) == {1}, completed
     assert not ws.events("loss.failed")
+
+
+def test_tail_says_the_two_flex_lines_in_words() -> None:
+    from skilltrain.daemon.commands.tail_format import format_event
+
+    at = "2026-12-04T18:00:00Z"
+    gone = format_event({"event": "llm.flex_unavailable", "level": "warning", "timestamp": at,
+                         "model": "openai/o3", "wait_s": 60.0, "fallback": "standard",
+                         "action": "falling back to the standard tier after 60 s"})
+    back = format_event({"event": "llm.flex_available", "level": "info", "timestamp": at,
+                         "model": "openai/o3", "refused": 3, "fell_back": 2, "waited": 0,
+                         "unavailable_s": 75.0})
+    assert gone.endswith("openai/o3: flex has no capacity (429 Resource Unavailable); "
+                         "falling back to the standard tier after 60 s")
+    assert back.endswith("flex served again after 1m15s; refused=3 fell_back=2 waited=0")

@@ -235,6 +235,19 @@ def _f_llm_pacing(rec: Record) -> list[str]:
             ", ".join(stated) or "?"]
 
 
+def _f_llm_flex_unavailable(rec: Record) -> list[str]:
+    return [f"{rec.get('model', '?')}: flex has no capacity (429 Resource Unavailable);",
+            _text(rec.get("action", "?"))]
+
+
+def _f_llm_flex_available(rec: Record) -> list[str]:
+    gone = rec.get("unavailable_s")
+    after = _secs(float(gone) * 1000) if isinstance(gone, int | float) else "?"
+    return [f"{rec.get('model', '?')}: flex served again after {after};",
+            f"refused={rec.get('refused', '?')} fell_back={rec.get('fell_back', '?')} "
+            f"waited={rec.get('waited', '?')}"]
+
+
 _FIELDS: dict[str, Callable[[Record], list[str]]] = {
     "loss.completed": _f_loss_completed,
     "loss.failed": _f_loss_failed,
@@ -243,6 +256,8 @@ _FIELDS: dict[str, Callable[[Record], list[str]]] = {
     "llm.limit_changed": _f_llm_limit_changed,
     "llm.held": _f_llm_held,
     "llm.pacing": _f_llm_pacing,
+    "llm.flex_unavailable": _f_llm_flex_unavailable,
+    "llm.flex_available": _f_llm_flex_available,
     "loss.started": _f_loss_started,
     "loss.retry": _f_loss_retry,
     "step.reported": _f_step_reported,
