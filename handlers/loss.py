@@ -306,6 +306,7 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
         "tokens_cache_write": completion.tokens_cache_write,
         "cost_usd": completion.cost_usd,
         "attempts": completion.attempts,
+        **({"service_tier": completion.service_tier} if completion.service_tier else {}),
         "leaks_redacted": leaks,
         # A progress indicator beside the report, never part of the training signal.
         **craft_distance.between(prepared.human_stats, prepared.model_stats).sidecar_fields(),

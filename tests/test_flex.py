@@ -203,6 +203,7 @@ def test_flex_refused_waits_then_falls_back_said_once_at_standard_price(
             side = ws.read_sidecar(s)
             want = flex_price(PRICED, side["tokens_in"], side["tokens_out"], tier=tier)
             assert side["cost_usd"] == pytest.approx(want, rel=1e-6), (tier, side)
+            assert side["service_tier"] == (tier or "standard")
     # Where the key went: one line for the run, however many flex calls.
     (said,) = ws.events("batch.key_at_provider")
     assert (said["run"], said["via"], said["provider"]) == ("r1", "flex", "openai")

@@ -88,6 +88,7 @@ class Completion:
     # Prompt tokens written to the provider's cache (Anthropic's
     # cache_creation_input_tokens): billed above the input price.
     tokens_cache_write: int = 0
+    service_tier: str | None = None  # "flex", or "standard" after flex fell back (llm_flex)
 
 
 class RetryableError(Exception):

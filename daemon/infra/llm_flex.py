@@ -26,6 +26,7 @@ The calls and their counts run on the LLM loop's thread (llm_loop.py): no locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -145,6 +146,7 @@ async def complete(call: Call, messages: Sequence[Any], settings: LLMConfig, *,
     also waits the flex wait (the daemon's ends early, raising, on shutdown)."""
     watch = watch or FlexWatch()
     wait = sleep or asyncio.sleep
+    asked = settings.flex
     while True:
         try:
             done = await call(messages, settings, sleep=sleep, **kwargs)
@@ -157,4 +159,7 @@ async def complete(call: Call, messages: Sequence[Any], settings: LLMConfig, *,
             continue
         if settings.flex:
             watch.served(settings)
-        return done
+        if not asked:
+            return done
+        # The sidecar says which tier served (and so was paid for).
+        return dataclasses.replace(done, service_tier="flex" if settings.flex else "standard")
