@@ -26,7 +26,6 @@ The calls and their counts run on the LLM loop's thread (llm_loop.py): no locks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -162,4 +161,5 @@ async def complete(call: Call, messages: Sequence[Any], settings: LLMConfig, *,
         if not asked:
             return done
         # The sidecar says which tier served (and so was paid for).
-        return dataclasses.replace(done, service_tier="flex" if settings.flex else "standard")
+        tier = "flex" if settings.flex else "standard"
+        return type(done)(**{**vars(done), "service_tier": tier})  # a frozen llm.Completion
