@@ -35,8 +35,12 @@ the key works again; when it does, `llm.unblocked` and the calls go on.
 Quiet by default: the limiter logs state changes only, with counts. A
 slow-start doubling and a rate-limit episode's cut are `llm.limit_changed`
 (the cut with the 429s, holds and seconds held since the last such line);
-the first stated limit read from the provider's headers (and a change of
-it) is `llm.pacing`. A step of one (AIMD growth) and each hold are debug
+the provider's stated limit (x-ratelimit-limit-requests, anthropic-
+ratelimit-requests-limit) appearing, changing or going (GONE_AFTER replies
+without it: AIMD alone again) is `llm.pacing`, with `change` "stated",
+"changed" or "gone". A changed figure re-anchors the calls-at-once limit
+at once, in proportion (2400 -> 1200 a minute: half the calls), without
+waiting for 429s to cut it; a cut begins a new episode. A step of one (AIMD growth) and each hold are debug
 lines only; Prometheus counts every hold and its seconds (docs/metrics.md).
 
 A call gives its slot back when it ends, also while it waits out a backoff
@@ -61,6 +65,8 @@ SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and cei
 CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
 EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
+GONE_AFTER = 10  # ok replies in a row without rate-limit headers: the provider stopped stating
+# them (not 1: replies to calls sent before a change may still come back with them)
 PROBE_S = 180.0  # a blocked endpoint: one small call this often, to see if the key works again
 Probe = Callable[[], Awaitable[str]]  # llm.probe: "ok", "blocked", "rate_limited", "error"
 
@@ -100,6 +106,7 @@ class Limiter:
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
         self._stated: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self._unstated = 0  # replies in a row without a stated limit
         self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
@@ -166,8 +173,8 @@ class Limiter:
                 self._cut(generation, None if stated else retry_after_s)
             if tokens > 0:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
-            if headers:
-                self._pace(headers)
+            if headers or outcome == "ok":  # a reply without them: the headers may be gone
+                self._pace(headers or {})
 
     # ------------------------------------------------------------- a refused key
     def refusal(self) -> LLMError:
@@ -322,15 +329,42 @@ class Limiter:
                            wait_s=round(seconds, 3), reason=reason, limit=self.limit,
                            in_flight=self.in_flight)
 
+    def _restate(self, stated: tuple[int | None, int | None]) -> None:
+        """The provider's stated limit appeared, changed or went: one line, and the
+        calls-at-once limit re-anchored on the new figure at once (2400 -> 1200 a
+        minute: half as many calls), not left to meet 429s first."""
+        old, self._stated = self._stated, stated
+        was, now = old[0], stated[0]
+        previous = self.limit
+        if was and now and was != now:
+            new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
+            if new < self.limit:  # the calls admitted under the old figure: this episode
+                self.generation += 1
+                self._successes, self._cut_at = 0, self.clock()
+            self.slow_start = False
+            self.limit = new
+            self._peak = self.in_flight + len(self._waiters)
+            self._wake()
+        change = "gone" if stated == (None, None) else "stated" if old == (None, None) \
+            else "changed"
+        self.on_change("llm.pacing", endpoint=self.endpoint, change=change,
+                       requests_limit=now, tokens_limit=stated[1],
+                       previous_requests_limit=was, previous_tokens_limit=old[1],
+                       limit=self.limit, previous=previous, in_flight=self.in_flight,
+                       **self._counts())
+
     def _pace(self, headers: Mapping[str, str]) -> None:
         """Slow down before the wall: the provider says its window is nearly spent."""
         window = read_rate_headers(headers)
         stated = (window.requests_limit, window.tokens_limit)
-        if stated != self._stated and stated != (None, None):
-            self._stated = stated  # a change of state: paced on what the provider says
-            self.on_change("llm.pacing", endpoint=self.endpoint,
-                           requests_limit=window.requests_limit,
-                           tokens_limit=window.tokens_limit, **self._counts())
+        if stated == (None, None):
+            self._unstated += 1
+            if self._stated != (None, None) and self._unstated >= GONE_AFTER:
+                self._restate(stated)  # the provider stopped saying: AIMD alone again
+        else:
+            self._unstated = 0
+            if stated != self._stated:
+                self._restate(stated)
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
             self._hold(refill_s(window.requests_reset_s, window.requests_limit,
