@@ -40,8 +40,9 @@ ratelimit-requests-limit) appearing, changing or going (GONE_AFTER replies
 without it: AIMD alone again) is `llm.pacing`, with `change` "stated",
 "changed" or "gone". A changed figure re-anchors the calls-at-once limit
 at once, in proportion (2400 -> 1200 a minute: half the calls), without
-waiting for 429s to cut it; a cut begins a new episode. A step of one (AIMD growth) and each hold are debug
-lines only; Prometheus counts every hold and its seconds (docs/metrics.md).
+waiting for 429s to cut it; a cut begins a new episode. A step of one
+(AIMD growth) and each hold are debug lines only; Prometheus counts every
+hold and its seconds (docs/metrics.md).
 
 A call gives its slot back when it ends, also while it waits out a backoff
 (llm.acomplete), and takes one again for its next attempt.
@@ -55,6 +56,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..core.errors import LLMError
@@ -105,7 +107,7 @@ class Limiter:
         self._peak = 0  # most calls in flight or waiting since the limit last moved
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
-        self._stated: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self.stated_limits: tuple[int | None, int | None] = (None, None)  # the provider's limits
         self._unstated = 0  # replies in a row without a stated limit
         self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
         self._since = Usage()  # counts at the last logged line (its counts are the change)
@@ -116,6 +118,7 @@ class Limiter:
         self._probes = 0
         self._probe_timer: asyncio.TimerHandle | None = None
         self._probe_task: asyncio.Task[None] | None = None
+        self.probe_due = 0.0  # clock: when the next probe starts
 
     # ------------------------------------------------------------- slots
     async def acquire(self) -> int:
@@ -192,6 +195,7 @@ class Limiter:
         self.blocked, self.blocked_since = (kind, said), self.clock()
         self.usage.blocked += 1
         self._probes = 0
+        self.probe_due = self.clock() + self.probe_s  # for the line's description
         self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind,
                        reason=said, probe_s=self.probe_s, in_flight=self.in_flight,
                        waiting=len(self._waiters))
@@ -204,6 +208,7 @@ class Limiter:
 
     def _schedule_probe(self) -> None:
         if self.probe is not None:
+            self.probe_due = self.clock() + self.probe_s
             self._probe_timer = asyncio.get_running_loop().call_later(
                 self.probe_s, self._start_probe)
 
@@ -222,7 +227,9 @@ class Limiter:
         if said in ("ok", "rate_limited"):  # a rate limit: the key itself is taken
             self.unblock()
         else:
-            self._schedule_probe()
+            self._schedule_probe()  # the next probe's time is news for `status` only
+            self.on_change("llm.probed", level="debug", endpoint=self.endpoint, said=said,
+                           probes=self._probes)
 
     def unblock(self) -> None:
         if self.blocked is None:
@@ -333,7 +340,7 @@ class Limiter:
         """The provider's stated limit appeared, changed or went: one line, and the
         calls-at-once limit re-anchored on the new figure at once (2400 -> 1200 a
         minute: half as many calls), not left to meet 429s first."""
-        old, self._stated = self._stated, stated
+        old, self.stated_limits = self.stated_limits, stated
         was, now = old[0], stated[0]
         previous = self.limit
         if was and now and was != now:
@@ -359,11 +366,11 @@ class Limiter:
         stated = (window.requests_limit, window.tokens_limit)
         if stated == (None, None):
             self._unstated += 1
-            if self._stated != (None, None) and self._unstated >= GONE_AFTER:
+            if self.stated_limits != (None, None) and self._unstated >= GONE_AFTER:
                 self._restate(stated)  # the provider stopped saying: AIMD alone again
         else:
             self._unstated = 0
-            if stated != self._stated:
+            if stated != self.stated_limits:
                 self._restate(stated)
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
@@ -410,6 +417,25 @@ class Slot:
                                  headers=headers, tokens=tokens, blocked=blocked)
 
 
+def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
+    """What the limiter does now, for `skilltrain status` (kept on change only):
+    "blocked" (a refused key: why, since when, the next probe), "stated"
+    (paced on the provider's stated limit), "adaptive" (AIMD) or "fixed"."""
+    wall = time.time() if wall is None else wall
+    now = lim.clock()
+    out: dict[str, Any] = {"limit": lim.limit, "requests_limit": lim.stated_limits[0],
+                           "tokens_limit": lim.stated_limits[1]}
+    if lim.blocked is not None:
+        due = lim.probe_due if lim.probe is not None else None
+        return {**out, "mode": "blocked", "kind": lim.blocked[0],
+                "reason": lim.blocked[1], "probe_s": lim.probe_s,
+                "since": wall - (now - lim.blocked_since),
+                "next_probe_at": None if due is None else wall + max(0.0, due - now)}
+    mode = "fixed" if not lim.adaptive else \
+        "stated" if lim.stated_limits != (None, None) else "adaptive"
+    return {**out, "mode": mode}
+
+
 def endpoint_name(model: str, api_base: str | None) -> str:
     """A short, bounded label for an endpoint: `gpt-4o-mini@127.0.0.1:8000`."""
     name = model.rsplit("/", 1)[-1][:40]
@@ -439,10 +465,16 @@ class Limiters:
                 ceiling=self.ceiling, on_change=self.on_change,
                 probe=None if self.probe is None else self.probe(model, api_base),
                 probe_s=self.probe_s))
+            if self.on_change is not None:  # a new endpoint: news for `status` only
+                self.on_change("llm.endpoint", level="debug", endpoint=limiter.endpoint,
+                               limit=limiter.limit)
         return limiter
 
     def all(self) -> list[Limiter]:
         return list(self._by_endpoint.values())
+
+    def named(self, endpoint: str) -> Limiter | None:
+        return next((lim for lim in self.all() if lim.endpoint == endpoint), None)
 
     def refusal(self, model: str, api_base: str | None) -> LLMError | None:
         """The endpoint is blocked (a refused key): what its calls are refused with."""

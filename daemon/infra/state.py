@@ -122,6 +122,7 @@ class StateStore:
         self.started_at: float | None = None
         self.scanned_at: float | None = None
         self.llm_limits: dict[str, int] = {}  # endpoint -> calls at once now (replaced whole)
+        self.llm_endpoints: dict[str, dict[str, Any]] = {}  # endpoint -> its limiter's state
         self._meta_changed = False
 
     @property
@@ -315,14 +316,21 @@ class StateStore:
                 self._dirty["notices"].add(path)
 
     def note_daemon(self, *, started_at: float | None = None, scanned_at: float | None = None,
-                    llm_limit: tuple[str, int] | None = None) -> None:
-        """Record when the daemon started or finished a scan, an endpoint's calls-at-once
-        limit now (for `status`; written by the next flush)."""
+                    llm_endpoint: tuple[str, dict[str, Any]] | None = None) -> None:
+        """Record when the daemon started or finished a scan, what an endpoint's limiter
+        does now (llm_limit.describe: its calls-at-once limit, paced on a stated limit,
+        blocked; for `status`; written by the next flush, so only on a change)."""
+        if llm_endpoint is not None and isinstance(llm_endpoint[1].get("reason"), str):
+            keys = leakguard.installed()  # the provider's words: checked like a log line
+            if keys is not None:
+                llm_endpoint[1]["reason"] = keys.clean(llm_endpoint[1]["reason"])
         with self.lock:
             self.started_at = started_at or self.started_at
             self.scanned_at = scanned_at or self.scanned_at
-            if llm_limit is not None:
-                self.llm_limits = {**self.llm_limits, llm_limit[0]: llm_limit[1]}
+            if llm_endpoint is not None:
+                name, now = llm_endpoint
+                self.llm_limits = {**self.llm_limits, name: int(now["limit"])}
+                self.llm_endpoints = {**self.llm_endpoints, name: now}
             self._meta_changed = True
 
     def counts(self) -> Counter[str]:
@@ -352,7 +360,8 @@ class StateStore:
                 self._db.write(changes, {"daemon_pid": pid, "heartbeat": time.time(),
                                          "started_at": self.started_at,
                                          "scanned_at": self.scanned_at,
-                                         "llm_limits": self.llm_limits})
+                                         "llm_limits": self.llm_limits,
+                                         "llm_endpoints": self.llm_endpoints})
             except (sqlite3.Error, OSError) as e:
                 with self.lock:
                     self._meta_changed = True

@@ -28,7 +28,7 @@ from ...handlers import loss
 from ..core import config
 from ..core.errors import LLMError
 from ..infra import llm, log
-from ..infra.llm_limit import Limiters, Slot
+from ..infra.llm_limit import Limiters, Slot, describe
 from ..infra.llm_loop import LLMLoop
 from ..infra.state import SetState, StateStore
 from .budget import Budget
@@ -127,12 +127,14 @@ class Jobs:
             return list(self._futures.values())
 
     def _limit_event(self, event: str, **fields: Any) -> None:
-        """A limiter's event, logged; a limit that moved is kept for `status` too."""
+        """A limiter's event, logged; what the limiter does now is kept for `status`
+        too (its events are its changes of state: no write per call)."""
         self.emit(event, **fields)
+        limiter = self.limiters.named(str(fields.get("endpoint")))
+        if limiter is not None:
+            self.state.note_daemon(llm_endpoint=(limiter.endpoint, describe(limiter)))
         if event == "llm.unblocked" and self.on_unblocked is not None:
             self.on_unblocked()
-        if event == "llm.limit_changed":
-            self.state.note_daemon(llm_limit=(str(fields["endpoint"]), int(fields["limit"])))
 
     def refused_key(self) -> LLMError | None:
         """The configured endpoint's key is refused (quota, billing, auth): why."""
