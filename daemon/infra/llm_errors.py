@@ -24,10 +24,15 @@ def refused_key(error: BaseException) -> str | None:
     """
     status = getattr(error, "status_code", 0) or 0
     body = getattr(error, "body", None)
+    response = getattr(error, "response", None)
+    if not status and response is not None:  # httpx's HTTPStatusError (anthropic_batches.py)
+        status = getattr(response, "status_code", 0) or 0
+        body = _json(response) if body is None else body
     inner = body.get("error") if isinstance(body, dict) else None
     inner = inner if isinstance(inner, dict) else body if isinstance(body, dict) else {}
     marks = {str(inner.get(k) or "").lower() for k in ("code", "type")}
-    text = " ".join(str(getattr(error, "message", "") or error).split()).lower()
+    said = f"{getattr(error, 'message', '') or error} {inner.get('message') or ''}"
+    text = " ".join(said.split()).lower()
     if marks & _QUOTA_CODES or any(c in text for c in _QUOTA_CODES):
         return "quota" if marks & {"insufficient_quota"} or "insufficient_quota" in text \
             else "billing"
@@ -37,6 +42,13 @@ def refused_key(error: BaseException) -> str | None:
                                         "invalid_api_key"}:
         return "authentication"
     return None
+
+
+def _json(response: Any) -> Any:
+    try:
+        return response.json()
+    except Exception:
+        return None
 
 
 def error_headers(error: BaseException) -> dict[str, str]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import config, layout, run_toml
+from ..core.errors import LLMError
 from ..infra import log
 from ..infra.batch_api import FINAL, BatchAPIError, BatchStatus, api_for, supported
 from ..infra.state import SetState, StateStore
@@ -67,7 +68,9 @@ class Batcher:
                  stopping: threading.Event, pipeline: Pipeline, discovery: Discovery,
                  finish_paid: Callable[[Ticket, Finish], Outcome],
                  wall_clock: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 refused_key: Callable[[], LLMError | None] = lambda: None,
+                 refuse_key: Callable[[str, str], None] = lambda kind, said: None) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -79,7 +82,8 @@ class Batcher:
         self.api = api_for(cfg.llm)
         self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
                                finish_paid=finish_paid, save=self._save, closed=self._closed,
-                               clock=wall_clock)
+                               clock=wall_clock, refused_key=refused_key,
+                               refuse_key=refuse_key)
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._gathering: dict[layout.StepKey, tuple[float, dict[str, Waiting]]] = {}
@@ -88,6 +92,7 @@ class Batcher:
         self._interval: dict[str, float] = {}
         self._modes: dict[str, tuple[int, str]] = {}  # run -> (run.toml mtime_ns, mode)
         self._thread: threading.Thread | None = None
+        self._submitting = 0  # steps taken from gathering, not yet recorded or decided
         self._unsupported: list[str | None] = []  # [why not], once asked (imports litellm)
 
     # ------------------------------------------------------------- for the owner
@@ -161,7 +166,7 @@ class Batcher:
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self._gathering or self._records)
+            return bool(self._gathering or self._records or self._submitting)
 
     def wait_idle(self, wait_jobs: Callable[[], None], stop: threading.Event) -> None:
         """--once: every job, and every batch the run sent, has ended."""
@@ -211,11 +216,19 @@ class Batcher:
                      if now >= since + self.cfg.llm.batch_gather_s
                      or self._step_gathered(step, waiting)]
             taken = [(step, self._gathering.pop(step)[1]) for step in steps]
-        for step, waiting in taken:
-            if self.stopping.is_set():
-                return
-            self.results.submit(step, [(w.ticket, w.outcome) for w in waiting.values()],
-                                self._new_record)
+            self._submitting += len(taken)  # busy() until each is recorded (or decided)
+        left = len(taken)
+        try:
+            for step, waiting in taken:
+                if self.stopping.is_set():
+                    return
+                self.results.submit(step, [(w.ticket, w.outcome) for w in waiting.values()],
+                                    self._new_record)
+                with self._lock:
+                    self._submitting, left = self._submitting - 1, left - 1
+        finally:
+            with self._lock:
+                self._submitting -= left  # those left at a stop or an error
         with self._lock:
             due = [rec for key, rec in self._records.items() if self._next_poll[key] <= now]
         for rec in due:

@@ -140,6 +140,17 @@ class Jobs:
         """The configured endpoint's key is refused (quota, billing, auth): why."""
         return self.limiters.refusal(self.cfg.llm.model, self.cfg.llm.api_base)
 
+    def refuse_key(self, kind: str, said: str) -> None:
+        """A provider batch call was refused for the key (batch_results.py): the
+        endpoint blocks as for a live call (one llm.blocked, the probe). From the
+        batch thread: done on the loop, and waited for, so the next look holds."""
+        limiter = self.limiters.for_endpoint(self.cfg.llm.model, self.cfg.llm.api_base)
+
+        async def block() -> None:
+            limiter.block(kind, said)
+
+        self.llm.run(block())
+
     def _probe(self, model: str, api_base: str | None) -> Callable[[], Awaitable[str]]:
         """A blocked endpoint's probe: one small real call with the configured key."""
         settings = self.cfg.llm.model_copy(update={"model": model, "api_base": api_base})
