@@ -135,7 +135,7 @@ class BatchServer(LoopbackServer):
         self.uploads = 0
         self.creates = 0
         self.reject_creates = 0  # the next this many creates get HTTP 400 (not accepted)
-        self.refuse_key = False  # while set: every POST gets 429 insufficient_quota
+        self.refuse_key = False  # while set: every request gets 429 insufficient_quota
         self.key_refusals = 0
         self.rejected = 0
         self.polls = 0
@@ -317,7 +317,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlparse(self.path)
         owner = self.owner
-        if m := _CONTENT.fullmatch(url.path):
+        if owner.refuse_key:  # a poll with the key refused (its credit gone meanwhile)
+            with owner._lock:
+                owner.key_refusals += 1
+            self._json(429, QUOTA_BODY)
+        elif m := _CONTENT.fullmatch(url.path):
             data = owner.files.get(m.group(1))
             if data is None:
                 self._missing()

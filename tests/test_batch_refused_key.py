@@ -98,3 +98,22 @@ def test_once_exits_non_zero_when_a_batch_is_refused_for_the_key(tmp_path: Path)
     assert {state[s.id]["state"] for s in sets} == {"held"}
     assert {state[s.id]["attempts"] for s in sets} == {0}
     assert len(ws.events("llm.blocked")) == 1
+
+
+def test_a_poll_refused_for_the_key_blocks_the_endpoint_once_and_polling_goes_on(
+        tmp_path: Path, start: Any) -> None:
+    from tests.batch_server import BatchPlan
+
+    with BatchServer() as server:
+        server.plan = BatchPlan(latency_s=1.5)
+        ws = workspace(tmp_path, server.url, MODELS["openai"])
+        sets = ws.write_step("r1", 0, 0, success=True)
+        start(ws)
+        wait_until(lambda: ws.events("batch.submitted"), 30, message="batch.submitted")
+        server.refuse_key = True
+        wait_until(lambda: ws.events("llm.blocked"), 10, message="llm.blocked")
+        wait_until(lambda: server.key_refusals >= 4, 10, message="polls refused")
+        server.refuse_key = False
+        wait_until(lambda: all(ws.has_report(s) for s in sets), 60, message="every report")
+    assert len(ws.events("llm.blocked")) == 1 and len(ws.events("llm.unblocked")) == 1
+    assert not ws.events("batch.error") and server.creates == 1

@@ -80,6 +80,7 @@ class Batcher:
         self.discovery = discovery  # which sets a step is expected to have
         self.clock = clock
         self.api = api_for(cfg.llm)
+        self.refuse_key = refuse_key
         self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
                                finish_paid=finish_paid, save=self._save, closed=self._closed,
                                clock=wall_clock, refused_key=refused_key,
@@ -279,8 +280,11 @@ class Batcher:
         try:
             status = self.api.retrieve(rec.batch_id)
         except BatchAPIError as e:
-            self.emit("batch.error", level="warning", run=rec.run, batch_id=rec.batch_id,
-                      error=str(e))
+            if e.blocked:  # the key refused: the endpoint's one llm.blocked says it
+                self.refuse_key(e.blocked, str(e))
+            else:
+                self.emit("batch.error", level="warning", run=rec.run, batch_id=rec.batch_id,
+                          error=str(e))
             return
         self._progress(rec, status)
         if status.status in FINAL:
