@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import config, layout, run_toml
-from ..core.errors import LLMError
 from ..infra import log
 from ..infra.batch_api import FINAL, BatchAPIError, BatchStatus, api_for, supported
 from ..infra.state import SetState, StateStore
@@ -43,7 +42,7 @@ from .batch_results import Results, back
 from .batch_store import CANCELLING, OPEN, SUBMITTING, BatchItem, BatchRecord
 from .decision import Outcome, Ticket
 from .discovery import Discovery
-from .jobs import Finish
+from .jobs import Jobs
 from .pipeline import Pipeline
 
 CONTROL_CHECK_S = 1.0  # how soon CANCEL_BATCH is seen while a batch is open or gathering
@@ -66,11 +65,8 @@ class Batcher:
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  stopping: threading.Event, pipeline: Pipeline, discovery: Discovery,
-                 finish_paid: Callable[[Ticket, Finish], Outcome],
-                 wall_clock: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.monotonic,
-                 refused_key: Callable[[], LLMError | None] = lambda: None,
-                 refuse_key: Callable[[str, str], None] = lambda kind, said: None) -> None:
+                 live: Jobs, wall_clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.state = state
@@ -80,11 +76,11 @@ class Batcher:
         self.discovery = discovery  # which sets a step is expected to have
         self.clock = clock
         self.api = api_for(cfg.llm)
-        self.refuse_key = refuse_key
+        self.refuse_key = live.refuse_key  # a key refused at a poll blocks the endpoint
         self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
-                               finish_paid=finish_paid, save=self._save, closed=self._closed,
-                               clock=wall_clock, refused_key=refused_key,
-                               refuse_key=refuse_key)
+                               finish_paid=live.finish_paid, save=self._save,
+                               closed=self._closed, clock=wall_clock,
+                               refused_key=live.refused_key, refuse_key=live.refuse_key)
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._gathering: dict[layout.StepKey, tuple[float, dict[str, Waiting]]] = {}

@@ -78,8 +78,7 @@ class Results:
         self.save = save
         self.closed = closed
         self.clock = clock  # wall clock: submitted_at and a retry's time are kept
-        # The endpoint's key refused (quota, billing, auth): why, or None; and the
-        # way to say so (blocks the endpoint, as a live call's refusal does).
+        # The key refused (why, or None); saying so blocks the endpoint, as live.
         self.refused_key, self.refuse_key = refused_key, refuse_key
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
@@ -179,15 +178,14 @@ class Results:
         self._opened(rec, batch_id, recovered=False)
 
     def _refused(self, rec: BatchRecord, kind: str, said: str) -> None:
-        """The provider refused the key at upload or create: the endpoint blocks (its
-        one llm.blocked), the record closes (nothing was made, nothing paid) and its
-        sets wait HELD, not an attempt."""
+        """The key refused at upload or create: the endpoint blocks, the record closes
+        (nothing made, nothing paid), its sets wait HELD (not an attempt)."""
         self.refuse_key(kind, said)
         why = self.refused_key() or LLMError(said, blocked=kind)
         for item in rec.items:
             item.outcome = "returned"
         self.closed(rec)
-        for item in rec.items:
+        for item in rec.items:  # each decided after the record is gone
             if (key := layout.SetKey.parse(item.set_id)) is not None:
                 self._decided(item.set_id, held(key, self.runs, why, item.attempts))
 

@@ -121,9 +121,7 @@ class Daemon:
                          llm_loop=llm_loop.shared(), on_unblocked=self.revisits.scan_soon)
         self.batcher = Batcher(cfg, self.state, self.emit, stopping=self.stop_event,
                                pipeline=pipeline, discovery=self.discovery,
-                               finish_paid=self.jobs.finish_paid, wall_clock=self.clock,
-                               refused_key=self.jobs.refused_key,
-                               refuse_key=self.jobs.refuse_key)
+                               live=self.jobs, wall_clock=self.clock)
         self.metrics.register(metrics_runs.BatchGauges(self.batcher.snapshot))
         # The one owner of every set's life; the reconciler decides, it applies.
         self.owner = SetOwner(self.state, self.emit, revisits=self.revisits, steps=self.steps,
