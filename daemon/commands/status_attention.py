@@ -2,8 +2,8 @@
 stalled, held.
 
     blocked   an LLM endpoint whose API key the provider refuses (quota,
-              billing, auth): no call goes out until a probe (or a config
-              reload) finds it working; its sets wait, held
+              billing, auth): no call goes out until a probe finds it
+              working (or a restart with a new key); its sets wait, held
 
     failed    a set whose loss job failed (retried with backoff until [loss]
               max_attempts, then left), a step whose optimizer failed and will

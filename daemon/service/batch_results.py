@@ -24,8 +24,8 @@ upload or create the provider refuses for the key itself (quota, billing,
 auth: llm_errors.refused_key): no wait fixes that, so it blocks the endpoint
 as a live call's refusal does (`refuse_key`: the limiter's one llm.blocked,
 its gauge and alert, status, --once's exit), and its sets wait HELD with the
-reason, their attempts as they were; the endpoint's unblocking (a probe, a
-config reload) looks at them again. While it is blocked, nothing is uploaded.
+reason, their attempts as they were; the endpoint's unblocking (a probe that
+passes; a restart starts unblocked) looks at them again. While it is blocked, nothing is uploaded.
 """
 from __future__ import annotations
 
