@@ -109,6 +109,7 @@ class Limiter:
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
         self.stated_limits: tuple[int | None, int | None] = (None, None)  # the provider's limits
         self._unstated = 0  # replies in a row without a stated limit
+        self._candidate: tuple[tuple[int | None, int | None], int] = ((None, None), 0)
         self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
@@ -370,7 +371,11 @@ class Limiter:
                 self._restate(stated)  # the provider stopped saying: AIMD alone again
         else:
             self._unstated = 0
-            if stated != self.stated_limits:
+            # A new figure counts once two replies in a row say it: a straggler
+            # (a reply to a call sent before the change) must not flap it back.
+            seen = self._candidate[1] + 1 if stated == self._candidate[0] else 1
+            self._candidate = (stated, 0 if stated == self.stated_limits else seen)
+            if stated != self.stated_limits and (seen >= 2 or self.stated_limits == (None, None)):
                 self._restate(stated)
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
