@@ -3,7 +3,9 @@ threads, and adaptive vs fixed concurrency against a rate-limited provider.
 
     .venv/bin/python bench/llm_bench.py cpu [--sets 256] [--concurrency 128]
                                             [--thread-sets 1024]
-    .venv/bin/python bench/llm_bench.py limits [--sets 200] [--rate 20]
+    .venv/bin/python bench/llm_bench.py limits [--sets 600] [--rate 40] [--latency 1.0]
+                                               [--mode on|off|halved|quota|all]
+    .venv/bin/python bench/llm_bench.py compare [--sets 200] [--rate 20]
     .venv/bin/python bench/llm_bench.py all
 
 cpu: `skilltrain daemon --once` (a real subprocess, fixed `[loss]
@@ -17,7 +19,11 @@ Both for a priced model id (openai/gpt-4o-mini) and one litellm does not
 know. Threads: the daemon's peak (/proc/<pid>/status, sampled every 20 ms),
 also at concurrency 1024.
 
-limits: the daemon against tests/limited_llm_server.py (R requests/s per
+limits: issue 36's benches (bench/limits_bench.py): the daemon with its
+default config at R requests/s and 1 s latency, headers on, off, R halved
+mid-run, and a key out of credit (time to the alert and to `status`).
+
+compare: the daemon against tests/limited_llm_server.py (R requests/s per
 key, 429 with Retry-After), `[loss] concurrency` = "adaptive", 4 and 128.
 """
 
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import daemon_bench as db  # bench/ is on sys.path when this file runs
+import limits_bench
 
 from tests.daemon_helpers import config_toml  # noqa: E402
 from tests.limited_llm_server import RateLimits  # noqa: E402
@@ -280,22 +287,33 @@ def bench_limits(sets: int, rate: float) -> list[db.Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=("cpu", "limits", "all"))
+    parser.add_argument("which", choices=("cpu", "limits", "compare", "all"))
     parser.add_argument("--sets", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--thread-sets", type=int, default=1024,
                         help="sets for the thread count at concurrency 1024 (0: skip)")
     parser.add_argument("--step-sets", default="2,64",
-                        help="sets per step, comma-separated (each a run of its own)")
-    parser.add_argument("--rate", type=float, default=20.0)
+                        help="cpu: sets per step, comma-separated (each a run of its own)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="R requests/s (limits: 40, compare: 20)")
+    parser.add_argument("--latency", type=float, default=1.0, help="limits: seconds per reply")
+    parser.add_argument("--mode", choices=(*limits_bench.MODES, "all"), default="all",
+                        help="limits: which run (default: all four)")
     args = parser.parse_args(argv)
     if args.which in ("cpu", "all"):
         steps = [int(n) for n in args.step_sets.split(",")]
         db.print_table("LLM path: CPU per job vs a bare acompletion loop",
                        bench_cpu(args.sets or 512, args.concurrency, args.thread_sets, steps))
     if args.which in ("limits", "all"):
+        modes = list(limits_bench.MODES) if args.mode == "all" else [args.mode]
+        rows = limits_bench.bench_limits(args.sets or 600, args.rate or 40.0, args.latency,
+                                         modes)
+        db.print_table("At the provider's limit (issue 36), default config", rows)
+        if any(r.ok is False for r in rows):
+            return 1
+    if args.which in ("compare", "all"):
         db.print_table("Adaptive vs fixed concurrency against a rate-limited loopback",
-                       bench_limits(args.sets or 200, args.rate))
+                       bench_limits(args.sets or 200, args.rate or 20.0))
     return 0
 
 

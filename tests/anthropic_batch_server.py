@@ -93,6 +93,12 @@ def _message(request: Request) -> dict[str, Any]:
                       if cached else 0}}
 
 
+# Anthropic's answer to a key without credit: a 400, told by its words.
+CREDIT_BODY = {"type": "error", "error": {
+    "type": "invalid_request_error",
+    "message": "Your credit balance is too low to access the Anthropic API. Please go to "
+               "Plans & Billing to upgrade or purchase credits."}}
+
 class AnthropicBatchServer(LoopbackServer):
     """The loopback Message Batches API."""
 
@@ -108,6 +114,8 @@ class AnthropicBatchServer(LoopbackServer):
         self.billed: list[str] = []  # "<batch id>/<custom_id>" of each succeeded request
         self.live_requests = 0  # POST /v1/messages: the live half of a bench
         self.headers_seen: list[dict[str, str]] = []
+        self.refuse_key = False  # while set: every POST gets Anthropic's billing refusal
+        self.key_refusals = 0
 
     @property
     def url(self) -> str:
@@ -241,7 +249,11 @@ class _Handler(BaseHTTPRequestHandler):
         owner.headers_seen.append(dict(self.headers))
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        if url.path == "/v1/messages":  # a live call
+        if owner.refuse_key:  # out of credit: creates and live calls alike
+            with owner._lock:
+                owner.key_refusals += 1
+            self._json(400, CREDIT_BODY)
+        elif url.path == "/v1/messages":  # a live call
             with owner._lock:
                 owner.live_requests += 1
             self._json(200, _message({"params": json.loads(raw or b"{}")}))

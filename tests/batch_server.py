@@ -33,6 +33,9 @@ from urllib.parse import parse_qs, urlparse
 from tests.llm_server import DEFAULT_REPORT, Reply, Request, completion_body
 
 Responder = Callable[[dict[str, Any]], Reply]
+QUOTA_BODY = {"error": {"message": "You exceeded your current quota, please check your plan "
+                                   "and billing details.", "type": "insufficient_quota",
+                        "param": None, "code": "insufficient_quota"}}
 
 
 def default_responder(body: dict[str, Any]) -> Reply:
@@ -132,6 +135,8 @@ class BatchServer(LoopbackServer):
         self.uploads = 0
         self.creates = 0
         self.reject_creates = 0  # the next this many creates get HTTP 400 (not accepted)
+        self.refuse_key = False  # while set: every request gets 429 insufficient_quota
+        self.key_refusals = 0
         self.rejected = 0
         self.polls = 0
         self.cancels = 0
@@ -312,7 +317,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlparse(self.path)
         owner = self.owner
-        if m := _CONTENT.fullmatch(url.path):
+        if owner.refuse_key:  # a poll with the key refused (its credit gone meanwhile)
+            with owner._lock:
+                owner.key_refusals += 1
+            self._json(429, QUOTA_BODY)
+        elif m := _CONTENT.fullmatch(url.path):
             data = owner.files.get(m.group(1))
             if data is None:
                 self._missing()
@@ -332,7 +341,11 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         owner = self.owner
         raw = self._body()
-        if url.path == "/v1/files":
+        if owner.refuse_key:  # out of credit: upload, create and live calls alike
+            with owner._lock:
+                owner.key_refusals += 1
+            self._json(429, QUOTA_BODY)
+        elif url.path == "/v1/files":
             data = _multipart_file(self.headers.get("Content-Type", ""), raw)
             reply = owner.upload(data)
             if (hold := owner.plan.hold_after_upload) is not None:

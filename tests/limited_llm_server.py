@@ -7,7 +7,9 @@ costs its prompt's characters / 4 plus the reply's). Over either: 429, with
 Retry-After (seconds, fractional), retry-after-ms, or no header at all.
 Every reply, ok or 429, carries OpenAI's x-ratelimit-limit-/remaining-/reset-
 requests and -tokens headers (resets as `0.05s`, `6m0s`). `set_rate()`
-changes R mid-run (the provider halving a limit).
+changes R mid-run (the provider halving a limit: its stated limit and its
+real one alike); `stated = False` leaves the x-ratelimit-* headers out (a
+provider that states nothing), also mid-run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RateLimits:
     tokens_per_min: float | None = None
     retry_after: str = "seconds"  # one of RETRY_AFTER_FORMS
     content: str = DEFAULT_REPORT
+    stated: bool = True  # send the x-ratelimit-* headers
     clock: Callable[[], float] = time.monotonic
     served: int = 0
     limited: int = 0
@@ -94,6 +97,8 @@ class RateLimits:
         return bucket
 
     def _headers(self, req: _Bucket, tok: _Bucket | None) -> tuple[tuple[str, str], ...]:
+        if not self.stated:
+            return ()
         r = self.requests_per_s
         headers = [
             ("x-ratelimit-limit-requests", str(int(r))),

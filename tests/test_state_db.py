@@ -178,8 +178,8 @@ def test_a_flush_writes_only_the_changed_rows(tmp_path: Path) -> None:
     store.forget(ids[8])
     assert store.flush()
     writes = [s for s in statements if s.startswith(("INSERT", "DELETE"))]
-    # One row deleted, one written, the five meta values (pid, heartbeat, started and
-    # scanned at, the LLM limits): nothing of the other 48 sets.
+    # One row deleted, one written, the six meta values (pid, heartbeat, started and
+    # scanned at, the LLM limits, the LLM endpoints): nothing of the other 48 sets.
     deleted, written = [w for w in writes if " sets " in w]
     assert deleted == f"DELETE FROM sets WHERE key = '{ids[8]}'"
     # The record's JSON, and its step and state in the columns status counts by.
@@ -187,7 +187,7 @@ def test_a_flush_writes_only_the_changed_rows(tmp_path: Path) -> None:
         f"INSERT OR REPLACE INTO sets VALUES ('{ids[7]}', "
         f"'{json.dumps(_row(store, ids[7]), separators=(',', ':'))}', "
         "'r1/epoch_01/step_01', 'done', "), written
-    assert len(writes) == 7 and all(" meta " in w for w in writes[2:])
+    assert len(writes) == 8 and all(" meta " in w for w in writes[2:])
     store.close()
     reread = state_db.read_only(path)
     assert reread is not None and len(reread["sets"]) == 49

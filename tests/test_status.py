@@ -289,9 +289,11 @@ def test_the_llm_limits_and_open_batches_are_shown(few: Tree) -> None:
 
     store = StateStore(few.runs)
     store.load()
-    # What jobs records when an endpoint's adaptive limit moves (llm.limit_changed).
-    store.note_daemon(llm_limit=("gpt-4o-mini@127.0.0.1:9", 12))
-    store.note_daemon(llm_limit=("gpt-4o-mini@127.0.0.1:9", 6))
+    # What jobs records when an endpoint's limiter changes (llm_limit.describe).
+    store.note_daemon(llm_endpoint=("gpt-4o-mini@127.0.0.1:9", {"mode": "adaptive",
+                                                                "limit": 12}))
+    store.note_daemon(llm_endpoint=("gpt-4o-mini@127.0.0.1:9", {"mode": "stated", "limit": 6,
+                                                                "requests_limit": 2400}))
     store.flush(pid=os.getpid())
     store.close()
     run = "run00"
@@ -304,7 +306,8 @@ def test_the_llm_limits_and_open_batches_are_shown(few: Tree) -> None:
     batch_store.save(few.runs, rec)
     text, data = few.status(), few.json()
     assert data["daemon"]["llm_limits"] == {"gpt-4o-mini@127.0.0.1:9": 6}
-    assert "LLM calls at once: gpt-4o-mini@127.0.0.1:9 6" in text
+    assert "gpt-4o-mini@127.0.0.1:9: pacing on the provider's stated limit (2,400 requests), " \
+        "6 calls at once" in text
     (batch,) = data["batches"]
     assert (batch["batch_id"], batch["sets"], batch["done"]) == ("batch_abc", 3, 1)
     assert "open batches (1):" in text and "batch_abc" in text

@@ -102,7 +102,7 @@ def _query(conn: sqlite3.Connection, runs: Path, only_run: str | None, policy: P
     daemon = _daemon(runs, pid, meta, totals, sum(held_stale.values()), now)
     attention = status_attention.Finder(conn, runs, policy, now, daemon["running"])
     found = attention.find(steps, step_records, notices, loop, only_run, attention_limit,
-                           held_stale)
+                           held_stale, daemon["llm_endpoints"])
     step_rows = [_step_row(s, step_records.get(s.step)) for s in steps]
     return {
         "runs_dir": str(runs),
@@ -147,12 +147,14 @@ def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str,
         activity = "catching up"
     else:
         activity = "idle"
-    limits = meta.get("llm_limits")
+    limits, endpoints = meta.get("llm_limits"), meta.get("llm_endpoints")
     return {"running": pid is not None, "pid": pid, "started_at": started,
             "state_written_at": _number(meta.get("heartbeat")), "scanned_at": scanned,
             "activity": activity, "backlog": backlog,
             # Adaptive concurrency: each endpoint's calls-at-once limit as last moved.
-            "llm_limits": limits if isinstance(limits, dict) else {}}
+            "llm_limits": limits if isinstance(limits, dict) else {},
+            # What each endpoint's limiter does (llm_limit.describe), as last changed.
+            "llm_endpoints": endpoints if isinstance(endpoints, dict) else {}}
 
 
 def _step_row(s: state_queries.StepCounts, rec: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""What needs someone, for `skilltrain status`: failed, refused, unusable, stalled, held.
+"""What needs someone, for `skilltrain status`: blocked, failed, refused, unusable,
+stalled, held.
+
+    blocked   an LLM endpoint whose API key the provider refuses (quota,
+              billing, auth): no call goes out until a probe finds it
+              working (or a restart with a new key); its sets wait, held
 
     failed    a set whose loss job failed (retried with backoff until [loss]
               max_attempts, then left), a step whose optimizer failed and will
@@ -28,7 +33,7 @@ from typing import Any
 from ..core import config, layout, state_queries
 from ..infra.state import BUDGET_REASON
 
-KINDS = ("failed", "refused", "unusable", "stalled", "held")
+KINDS = ("blocked", "failed", "refused", "unusable", "stalled", "held")
 STUCK_KINDS = ("unusable", "stalled", "held")  # a run line's "stuck": will not move by itself
 _SET_KINDS = {"failed": "failed", "refused": "refused", "held": "held"}  # kind -> set state
 _SEEKS_BEFORE_A_SCAN = 500  # steps to read one by one; past that, one scan of the table
@@ -87,9 +92,11 @@ class Finder:
 
     def find(self, steps: list[state_queries.StepCounts], step_records: Mapping[str, Any],
              notices: Mapping[str, Any], loop: list[dict[str, Any]], only_run: str | None,
-             limit: int | None, held_stale: Mapping[str, int]) -> Found:
+             limit: int | None, held_stale: Mapping[str, int],
+             endpoints: Mapping[str, Any] | None = None) -> Found:
         """Every thing that needs someone, counted; rows up to `limit`, most urgent first."""
         self.limit = limit
+        self._endpoints(endpoints or {})
         self._runs(loop)
         self._optimizers(step_records, only_run)
         for kind in ("failed", "refused"):
@@ -109,6 +116,19 @@ class Finder:
         room = self._room()
         if room is None or room > 0:
             self.found.rows.append(row)
+
+    def _endpoints(self, endpoints: Mapping[str, Any]) -> None:
+        """A refused key stops every call: first, whatever run asked."""
+        for name, e in sorted(endpoints.items()):
+            if isinstance(e, dict) and e.get("mode") == "blocked":
+                due = e.get("next_probe_at")
+                probe = f"; next probe in {max(0, int(due - self.now))}s" \
+                    if isinstance(due, int | float) and self.daemon_running else ""
+                self._add(_row("blocked", "endpoint", name, None,
+                               f"the provider refuses the API key ({e.get('kind')}): "
+                               f"{e.get('reason') or ''}{probe}; top up or fix the key "
+                               "(the daemon probes and goes on by itself)",
+                               since=e.get("since")))
 
     def _runs(self, loop: list[dict[str, Any]]) -> None:
         for row in loop:

@@ -44,10 +44,16 @@ def render(data: dict[str, Any], out: TextIO, *, run: str | None = None,
 
 
 def other_lines(data: dict[str, Any], now: float) -> list[str]:
-    """The LLM endpoints' calls-at-once limits (adaptive), the open provider batches."""
+    """What each LLM endpoint's limiter does, the open provider batches."""
     lines = []
+    endpoints = data["daemon"].get("llm_endpoints") or {}
     limits = data["daemon"].get("llm_limits") or {}
-    if limits:
+    if endpoints:
+        when = "" if data["daemon"]["running"] else " (when the daemon last ran)"
+        lines += ["", f"LLM endpoints{when}:"]
+        lines += [f"  {tame(name, 80)}: {endpoint_text(e, now)}"
+                  for name, e in sorted(endpoints.items()) if isinstance(e, dict)]
+    elif limits:  # a daemon from before the endpoints were described
         lines.append("LLM calls at once: " + ", ".join(
             f"{tame(endpoint, 80)} {limit}" for endpoint, limit in sorted(limits.items())))
     batches = data.get("batches") or []
@@ -60,6 +66,26 @@ def other_lines(data: dict[str, Any], now: float) -> list[str]:
                   else f"{ago(now - b['submitted_ago_s'], now)} ago"] for b in batches]
         lines += columns(rows, right={4, 5, 6})
     return lines
+
+
+def endpoint_text(e: dict[str, Any], now: float) -> str:
+    """One endpoint's limiter in words: blocked, paced on a stated limit, adaptive, fixed."""
+    limit = e.get("limit")
+    if e.get("mode") == "blocked":
+        text = f"BLOCKED: the provider refuses the API key ({e.get('kind')})"
+        if isinstance(since := e.get("since"), int | float):
+            text += f" since {clock(since)} ({ago(since, now)} ago)"
+        if isinstance(due := e.get("next_probe_at"), int | float):
+            text += f", next probe in {max(0, int(due - now))}s"
+        return text
+    if e.get("mode") == "stated":
+        stated = [f"{e[k]:,} {what}" for k, what in (("requests_limit", "requests"),
+                                                    ("tokens_limit", "tokens")) if e.get(k)]
+        return f"pacing on the provider's stated limit ({', '.join(stated)}), " \
+               f"{limit} calls at once"
+    if e.get("mode") == "fixed":
+        return f"{limit} calls at once (fixed)"
+    return f"adaptive limit of {limit} calls at once (no limit stated)"
 
 
 def daemon_line(data: dict[str, Any], now: float) -> str:

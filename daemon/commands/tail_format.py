@@ -229,10 +229,24 @@ def _f_llm_held(rec: Record) -> list[str]:
 
 
 def _f_llm_pacing(rec: Record) -> list[str]:
-    stated = [f"{rec[k]} {what}" for k, what in (("requests_limit", "requests"),
-                                                 ("tokens_limit", "tokens")) if rec.get(k)]
-    return [f"{rec.get('endpoint', '?')} paced on the provider's stated limit:",
-            ", ".join(stated) or "?"]
+    def figure(key: str) -> str | None:
+        was, now = rec.get(f"previous_{key}"), rec.get(key)
+        what = key.removesuffix("_limit")
+        if rec.get("change") == "changed" and was and now and was != now:
+            return f"{was} -> {now} {what}"
+        return f"{now} {what}" if now else None
+
+    endpoint = rec.get("endpoint", "?")
+    if rec.get("change") == "gone":
+        was = rec.get("previous_requests_limit")
+        return [f"{endpoint} the provider states no limit any more"
+                + (f" (was {was} requests)" if was else "") + ":",
+                f"adaptive, {rec.get('limit', '?')} calls at once"]
+    stated = [f for f in (figure("requests_limit"), figure("tokens_limit")) if f]
+    line = [f"{endpoint} pacing on the provider's stated limit:", ", ".join(stated) or "?"]
+    if rec.get("previous") not in (None, rec.get("limit")):
+        line.append(f"(calls at once {rec.get('previous')} -> {rec.get('limit')})")
+    return line
 
 
 def _f_llm_flex_unavailable(rec: Record) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any
 from ..core.config import LLMConfig
 from . import llm
 from .batch_api import BatchAPI, BatchAPIError, BatchStatus, ItemResult, batch_cost
+from .llm_errors import refused_key
 
 API_VERSION = "2023-06-01"
 DEFAULT_BASE = "https://api.anthropic.com"
@@ -127,7 +128,8 @@ class AnthropicBatchAPI(BatchAPI):
         except Exception as e:
             # The provider's words, through the same guard as a live call's.
             text = llm._describe(e, "", self.settings.api_base)
-            raise BatchAPIError(f"batch {what} failed: {text}") from None
+            raise BatchAPIError(f"batch {what} failed: {text}",
+                                blocked=refused_key(e)) from None
 
     def _url(self, *parts: str) -> str:
         return "/".join([f"{self.base}/v1/messages/batches", *parts])

@@ -26,6 +26,7 @@ from typing import Any
 from ..core.config import LLMConfig
 from ..core.errors import LLMError
 from . import llm
+from .llm_errors import refused_key
 
 ENDPOINT = "/v1/chat/completions"
 COMPLETION_WINDOW = "24h"
@@ -43,7 +44,8 @@ RETENTION = ("the input and output files (the prompts, so the answer key, and th
 
 
 class BatchAPIError(LLMError):
-    """A files or batches call failed; the message is guarded."""
+    """A files or batches call failed; the message is guarded. `blocked`: the
+    provider refuses the key itself (quota, billing, auth: llm_errors.refused_key)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,8 @@ class BatchAPI:
         except Exception as e:
             # The provider's words, through the same guard as a live call's.
             text = llm._describe(e, "", self.settings.api_base)
-            raise BatchAPIError(f"batch {what} failed: {text}") from None
+            raise BatchAPIError(f"batch {what} failed: {text}",
+                                blocked=refused_key(e)) from None
 
     def submit(self, lines: Sequence[str], metadata: dict[str, str]) -> str:
         """Upload the requests and create the batch; its provider id."""

@@ -22,8 +22,7 @@ def refused_key(error: BaseException) -> str | None:
     (401, 403). Told by the error's code and type, not by the status alone:
     a 429 is usually a rate limit that a wait fixes (PITFALLS).
     """
-    status = getattr(error, "status_code", 0) or 0
-    marks, text = _marks(error)
+    status, marks, text = _marks(error)
     if marks & _QUOTA_CODES or any(c in text for c in _QUOTA_CODES):
         return "quota" if marks & {"insufficient_quota"} or "insufficient_quota" in text \
             else "billing"
@@ -44,17 +43,32 @@ def flex_unavailable(error: BaseException) -> bool:
     Told by code, type or message, like refused_key, not by the status: a
     429 that says nothing of resources is a rate limit.
     """
-    marks, text = _marks(error)
+    _status, marks, text = _marks(error)
     return "resource_unavailable" in marks or "resource unavailable" in text
 
 
-def _marks(error: BaseException) -> tuple[set[str], str]:
-    """The error body's code and type, and its message in lower case on one line."""
+def _marks(error: BaseException) -> tuple[int, set[str], str]:
+    """The error's HTTP status, its body's code and type, and its message (and
+    the body's) in lower case on one line. Read from the SDKs' errors and from
+    httpx's HTTPStatusError (anthropic_batches.py), whose body is the response's."""
+    status = getattr(error, "status_code", 0) or 0
     body = getattr(error, "body", None)
+    response = getattr(error, "response", None)
+    if not status and response is not None:
+        status = getattr(response, "status_code", 0) or 0
+        body = _json(response) if body is None else body
     inner = body.get("error") if isinstance(body, dict) else None
     inner = inner if isinstance(inner, dict) else body if isinstance(body, dict) else {}
     marks = {str(inner.get(k) or "").lower() for k in ("code", "type")}
-    return marks, " ".join(str(getattr(error, "message", "") or error).split()).lower()
+    said = f"{getattr(error, 'message', '') or error} {inner.get('message') or ''}"
+    return status, marks, " ".join(said.split()).lower()
+
+
+def _json(response: Any) -> Any:
+    try:
+        return response.json()
+    except Exception:
+        return None
 
 
 def error_headers(error: BaseException) -> dict[str, str]:

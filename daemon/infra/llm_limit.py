@@ -35,9 +35,14 @@ the key works again; when it does, `llm.unblocked` and the calls go on.
 Quiet by default: the limiter logs state changes only, with counts. A
 slow-start doubling and a rate-limit episode's cut are `llm.limit_changed`
 (the cut with the 429s, holds and seconds held since the last such line);
-the first stated limit read from the provider's headers (and a change of
-it) is `llm.pacing`. A step of one (AIMD growth) and each hold are debug
-lines only; Prometheus counts every hold and its seconds (docs/metrics.md).
+the provider's stated limit (x-ratelimit-limit-requests, anthropic-
+ratelimit-requests-limit) appearing, changing or going (GONE_AFTER replies
+without it: AIMD alone again) is `llm.pacing`, with `change` "stated",
+"changed" or "gone". A changed figure re-anchors the calls-at-once limit
+at once, in proportion (2400 -> 1200 a minute: half the calls), without
+waiting for 429s to cut it; a cut begins a new episode. A step of one
+(AIMD growth) and each hold are debug lines only; Prometheus counts every
+hold and its seconds (docs/metrics.md).
 
 A call gives its slot back when it ends, also while it waits out a backoff
 (llm.acomplete), and takes one again for its next attempt.
@@ -51,6 +56,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..core.errors import LLMError
@@ -61,6 +67,8 @@ SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and cei
 CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
 EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
+GONE_AFTER = 10  # ok replies in a row without rate-limit headers: the provider stopped stating
+# them (not 1: replies to calls sent before a change may still come back with them)
 PROBE_S = 180.0  # a blocked endpoint: one small call this often, to see if the key works again
 Probe = Callable[[], Awaitable[str]]  # llm.probe: "ok", "blocked", "rate_limited", "error"
 
@@ -99,7 +107,9 @@ class Limiter:
         self._peak = 0  # most calls in flight or waiting since the limit last moved
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
-        self._stated: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self.stated_limits: tuple[int | None, int | None] = (None, None)  # the provider's limits
+        self._unstated = 0  # replies in a row without a stated limit
+        self._candidate: tuple[tuple[int | None, int | None], int] = ((None, None), 0)
         self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
@@ -109,6 +119,7 @@ class Limiter:
         self._probes = 0
         self._probe_timer: asyncio.TimerHandle | None = None
         self._probe_task: asyncio.Task[None] | None = None
+        self.probe_due = 0.0  # clock: when the next probe starts
 
     # ------------------------------------------------------------- slots
     async def acquire(self) -> int:
@@ -166,8 +177,8 @@ class Limiter:
                 self._cut(generation, None if stated else retry_after_s)
             if tokens > 0:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
-            if headers:
-                self._pace(headers)
+            if headers or outcome == "ok":  # a reply without them: the headers may be gone
+                self._pace(headers or {})
 
     # ------------------------------------------------------------- a refused key
     def refusal(self) -> LLMError:
@@ -185,6 +196,7 @@ class Limiter:
         self.blocked, self.blocked_since = (kind, said), self.clock()
         self.usage.blocked += 1
         self._probes = 0
+        self.probe_due = self.clock() + self.probe_s  # for the line's description
         self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind,
                        reason=said, probe_s=self.probe_s, in_flight=self.in_flight,
                        waiting=len(self._waiters))
@@ -197,6 +209,7 @@ class Limiter:
 
     def _schedule_probe(self) -> None:
         if self.probe is not None:
+            self.probe_due = self.clock() + self.probe_s
             self._probe_timer = asyncio.get_running_loop().call_later(
                 self.probe_s, self._start_probe)
 
@@ -215,7 +228,9 @@ class Limiter:
         if said in ("ok", "rate_limited"):  # a rate limit: the key itself is taken
             self.unblock()
         else:
-            self._schedule_probe()
+            self._schedule_probe()  # the next probe's time is news for `status` only
+            self.on_change("llm.probed", level="debug", endpoint=self.endpoint, said=said,
+                           probes=self._probes)
 
     def unblock(self) -> None:
         if self.blocked is None:
@@ -322,15 +337,46 @@ class Limiter:
                            wait_s=round(seconds, 3), reason=reason, limit=self.limit,
                            in_flight=self.in_flight)
 
+    def _restate(self, stated: tuple[int | None, int | None]) -> None:
+        """The provider's stated limit appeared, changed or went: one line, and the
+        calls-at-once limit re-anchored on the new figure at once (2400 -> 1200 a
+        minute: half as many calls), not left to meet 429s first."""
+        old, self.stated_limits = self.stated_limits, stated
+        was, now = old[0], stated[0]
+        previous = self.limit
+        if was and now and was != now:
+            new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
+            if new < self.limit:  # the calls admitted under the old figure: this episode
+                self.generation += 1
+                self._successes, self._cut_at = 0, self.clock()
+            self.slow_start = False
+            self.limit = new
+            self._peak = self.in_flight + len(self._waiters)
+            self._wake()
+        change = "gone" if stated == (None, None) else "stated" if old == (None, None) \
+            else "changed"
+        self.on_change("llm.pacing", endpoint=self.endpoint, change=change,
+                       requests_limit=now, tokens_limit=stated[1],
+                       previous_requests_limit=was, previous_tokens_limit=old[1],
+                       limit=self.limit, previous=previous, in_flight=self.in_flight,
+                       **self._counts())
+
     def _pace(self, headers: Mapping[str, str]) -> None:
         """Slow down before the wall: the provider says its window is nearly spent."""
         window = read_rate_headers(headers)
         stated = (window.requests_limit, window.tokens_limit)
-        if stated != self._stated and stated != (None, None):
-            self._stated = stated  # a change of state: paced on what the provider says
-            self.on_change("llm.pacing", endpoint=self.endpoint,
-                           requests_limit=window.requests_limit,
-                           tokens_limit=window.tokens_limit, **self._counts())
+        if stated == (None, None):
+            self._unstated += 1
+            if self.stated_limits != (None, None) and self._unstated >= GONE_AFTER:
+                self._restate(stated)  # the provider stopped saying: AIMD alone again
+        else:
+            self._unstated = 0
+            # A new figure counts once two replies in a row say it: a straggler
+            # (a reply to a call sent before the change) must not flap it back.
+            seen = self._candidate[1] + 1 if stated == self._candidate[0] else 1
+            self._candidate = (stated, 0 if stated == self.stated_limits else seen)
+            if stated != self.stated_limits and (seen >= 2 or self.stated_limits == (None, None)):
+                self._restate(stated)
         short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
         if window.requests_left is not None and short > 0:
             self._hold(refill_s(window.requests_reset_s, window.requests_limit,
@@ -376,6 +422,25 @@ class Slot:
                                  headers=headers, tokens=tokens, blocked=blocked)
 
 
+def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
+    """What the limiter does now, for `skilltrain status` (kept on change only):
+    "blocked" (a refused key: why, since when, the next probe), "stated"
+    (paced on the provider's stated limit), "adaptive" (AIMD) or "fixed"."""
+    wall = time.time() if wall is None else wall
+    now = lim.clock()
+    out: dict[str, Any] = {"limit": lim.limit, "requests_limit": lim.stated_limits[0],
+                           "tokens_limit": lim.stated_limits[1]}
+    if lim.blocked is not None:
+        due = lim.probe_due if lim.probe is not None else None
+        return {**out, "mode": "blocked", "kind": lim.blocked[0],
+                "reason": lim.blocked[1], "probe_s": lim.probe_s,
+                "since": wall - (now - lim.blocked_since),
+                "next_probe_at": None if due is None else wall + max(0.0, due - now)}
+    mode = "fixed" if not lim.adaptive else \
+        "stated" if lim.stated_limits != (None, None) else "adaptive"
+    return {**out, "mode": mode}
+
+
 def endpoint_name(model: str, api_base: str | None) -> str:
     """A short, bounded label for an endpoint: `gpt-4o-mini@127.0.0.1:8000`."""
     name = model.rsplit("/", 1)[-1][:40]
@@ -405,10 +470,16 @@ class Limiters:
                 ceiling=self.ceiling, on_change=self.on_change,
                 probe=None if self.probe is None else self.probe(model, api_base),
                 probe_s=self.probe_s))
+            if self.on_change is not None:  # a new endpoint: news for `status` only
+                self.on_change("llm.endpoint", level="debug", endpoint=limiter.endpoint,
+                               limit=limiter.limit)
         return limiter
 
     def all(self) -> list[Limiter]:
         return list(self._by_endpoint.values())
+
+    def named(self, endpoint: str) -> Limiter | None:
+        return next((lim for lim in self.all() if lim.endpoint == endpoint), None)
 
     def refusal(self, model: str, api_base: str | None) -> LLMError | None:
         """The endpoint is blocked (a refused key): what its calls are refused with."""

@@ -121,7 +121,7 @@ class StateStore:
         # one ends, what the state says may be a previous run's).
         self.started_at: float | None = None
         self.scanned_at: float | None = None
-        self.llm_limits: dict[str, int] = {}  # endpoint -> calls at once now (replaced whole)
+        self.llm_endpoints: dict[str, dict[str, Any]] = {}  # endpoint -> its limiter (whole)
         self._meta_changed = False
 
     @property
@@ -315,14 +315,15 @@ class StateStore:
                 self._dirty["notices"].add(path)
 
     def note_daemon(self, *, started_at: float | None = None, scanned_at: float | None = None,
-                    llm_limit: tuple[str, int] | None = None) -> None:
-        """Record when the daemon started or finished a scan, an endpoint's calls-at-once
-        limit now (for `status`; written by the next flush)."""
+                    llm_endpoint: tuple[str, dict[str, Any]] | None = None) -> None:
+        """Record when the daemon started or finished a scan, what an endpoint's limiter
+        does now (llm_limit.describe; for `status`: written by the next flush)."""
         with self.lock:
             self.started_at = started_at or self.started_at
             self.scanned_at = scanned_at or self.scanned_at
-            if llm_limit is not None:
-                self.llm_limits = {**self.llm_limits, llm_limit[0]: llm_limit[1]}
+            if llm_endpoint is not None:
+                name, now = llm_endpoint
+                self.llm_endpoints = {**self.llm_endpoints, name: _guarded(now)}
             self._meta_changed = True
 
     def counts(self) -> Counter[str]:
@@ -352,7 +353,8 @@ class StateStore:
                 self._db.write(changes, {"daemon_pid": pid, "heartbeat": time.time(),
                                          "started_at": self.started_at,
                                          "scanned_at": self.scanned_at,
-                                         "llm_limits": self.llm_limits})
+                                         "llm_limits": _limits(self.llm_endpoints),
+                                         "llm_endpoints": self.llm_endpoints})
             except (sqlite3.Error, OSError) as e:
                 with self.lock:
                     self._meta_changed = True
@@ -392,6 +394,19 @@ class StateStore:
     def _tables(self) -> dict[str, dict[str, Any]]:
         return {"sets": self.sets, "steps": self.steps, "spend": self.spend,
                 "notices": self.notices}
+
+
+def _limits(endpoints: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each endpoint's calls-at-once limit (what a `status` before the endpoints read)."""
+    return {name: e.get("limit") for name, e in endpoints.items()}
+
+
+def _guarded(endpoint: dict[str, Any]) -> dict[str, Any]:
+    """An endpoint's state with the provider's words checked like a log line."""
+    keys = leakguard.installed()
+    if keys is not None and isinstance(endpoint.get("reason"), str):
+        return {**endpoint, "reason": keys.clean(endpoint["reason"])}
+    return endpoint
 
 
 def _fresh_db(path: Path) -> StateDB | None:

@@ -42,7 +42,7 @@ from .batch_results import Results, back
 from .batch_store import CANCELLING, OPEN, SUBMITTING, BatchItem, BatchRecord
 from .decision import Outcome, Ticket
 from .discovery import Discovery
-from .jobs import Finish
+from .jobs import Jobs
 from .pipeline import Pipeline
 
 CONTROL_CHECK_S = 1.0  # how soon CANCEL_BATCH is seen while a batch is open or gathering
@@ -65,8 +65,7 @@ class Batcher:
 
     def __init__(self, cfg: config.Config, state: StateStore, emit: Emit, *,
                  stopping: threading.Event, pipeline: Pipeline, discovery: Discovery,
-                 finish_paid: Callable[[Ticket, Finish], Outcome],
-                 wall_clock: Callable[[], float] = time.time,
+                 live: Jobs, wall_clock: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
@@ -77,9 +76,11 @@ class Batcher:
         self.discovery = discovery  # which sets a step is expected to have
         self.clock = clock
         self.api = api_for(cfg.llm)
+        self.refuse_key = live.refuse_key  # a key refused at a poll blocks the endpoint
         self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
-                               finish_paid=finish_paid, save=self._save, closed=self._closed,
-                               clock=wall_clock)
+                               finish_paid=live.finish_paid, save=self._save,
+                               closed=self._closed, clock=wall_clock,
+                               refused_key=live.refused_key, refuse_key=live.refuse_key)
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._gathering: dict[layout.StepKey, tuple[float, dict[str, Waiting]]] = {}
@@ -87,6 +88,7 @@ class Batcher:
         self._next_poll: dict[str, float] = {}
         self._interval: dict[str, float] = {}
         self._thread: threading.Thread | None = None
+        self._submitting = 0  # steps taken from gathering, not yet recorded or decided
         self._unsupported: list[str | None] = []  # [why not], once asked (imports litellm)
 
     # ------------------------------------------------------------- for the owner
@@ -150,7 +152,7 @@ class Batcher:
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self._gathering or self._records)
+            return bool(self._gathering or self._records or self._submitting)
 
     def wait_idle(self, wait_jobs: Callable[[], None], stop: threading.Event) -> None:
         """--once: every job, and every batch the run sent, has ended."""
@@ -200,11 +202,19 @@ class Batcher:
                      if now >= since + self.cfg.llm.batch_gather_s
                      or self._step_gathered(step, waiting)]
             taken = [(step, self._gathering.pop(step)[1]) for step in steps]
-        for step, waiting in taken:
-            if self.stopping.is_set():
-                return
-            self.results.submit(step, [(w.ticket, w.outcome) for w in waiting.values()],
-                                self._new_record)
+            self._submitting += len(taken)  # busy() until each is recorded (or decided)
+        left = len(taken)
+        try:
+            for step, waiting in taken:
+                if self.stopping.is_set():
+                    return
+                self.results.submit(step, [(w.ticket, w.outcome) for w in waiting.values()],
+                                    self._new_record)
+                with self._lock:
+                    self._submitting, left = self._submitting - 1, left - 1
+        finally:
+            with self._lock:
+                self._submitting -= left  # those left at a stop or an error
         with self._lock:
             due = [rec for key, rec in self._records.items() if self._next_poll[key] <= now]
         for rec in due:
@@ -255,8 +265,11 @@ class Batcher:
         try:
             status = self.api.retrieve(rec.batch_id)
         except BatchAPIError as e:
-            self.emit("batch.error", level="warning", run=rec.run, batch_id=rec.batch_id,
-                      error=str(e))
+            if e.blocked:  # the key refused: the endpoint's one llm.blocked says it
+                self.refuse_key(e.blocked, str(e))
+            else:
+                self.emit("batch.error", level="warning", run=rec.run, batch_id=rec.batch_id,
+                          error=str(e))
             return
         self._progress(rec, status)
         if status.status in FINAL:

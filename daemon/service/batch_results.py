@@ -19,7 +19,13 @@ create failed, and no batch carries its key) is an attempt of each of its
 sets, kept in the state like a failed call's (the record keeps why the
 create failed, so a restart counts it too): its sets are sent again after
 the loss jobs' backoff, and give up at `[loss] max_attempts` (FAILED,
-`batch.gave_up`) like a live call that keeps failing.
+`batch.gave_up`) like a live call that keeps failing. Not so a batch whose
+upload or create the provider refuses for the key itself (quota, billing,
+auth: llm_errors.refused_key): no wait fixes that, so it blocks the endpoint
+as a live call's refusal does (`refuse_key`: the limiter's one llm.blocked,
+its gauge and alert, status, --once's exit), and its sets wait HELD with the
+reason, their attempts as they were; the endpoint's unblocking (a probe that
+passes; a restart starts unblocked) looks at them again. While it is blocked, nothing is uploaded.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from ...handlers import loss
@@ -60,7 +67,9 @@ class Results:
                  finish_paid: Callable[[Ticket, Finish], Outcome],
                  save: Callable[[BatchRecord], None],
                  closed: Callable[[BatchRecord], None],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 refused_key: Callable[[], LLMError | None] = lambda: None,
+                 refuse_key: Callable[[str, str], None] = lambda kind, said: None) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.emit = emit
@@ -70,6 +79,8 @@ class Results:
         self.save = save
         self.closed = closed
         self.clock = clock  # wall clock: submitted_at and a retry's time are kept
+        # The key refused (why, or None); saying so blocks the endpoint, as live.
+        self.refused_key, self.refuse_key = refused_key, refuse_key
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
         self.key_at_provider = KeyAtProvider(emit)  # runs told where their key now is
@@ -128,8 +139,13 @@ class Results:
         model_name = batch_api.provider_of(self.cfg.llm)[0]
         items: list[BatchItem] = []
         lines: list[str] = []
+        refused = self.refused_key()
         for n, (ticket, outcome) in enumerate(waiting):
             self._carry(ticket, outcome)
+            if refused is not None:  # gathered before the key was refused: not uploaded
+                self._decided(ticket.key.id, held(ticket.key, self.runs, refused,
+                                                  ticket.attempts))
+                continue
             try:
                 prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
             except Exception as e:  # refused input, a template error: as a live job says it
@@ -151,6 +167,9 @@ class Results:
         try:
             batch_id = self.api.submit(lines, metadata)
         except BatchAPIError as e:
+            if e.blocked:  # the key refused: no batch was made, the sets wait for the key
+                self._refused(rec, e.blocked, str(e))
+                return
             # Created or not: the next poll looks for it by its key.
             self.emit("batch.error", level="warning", run=rec.run, step=rec.step,
                       error=str(e), sets=len(items))
@@ -158,6 +177,18 @@ class Results:
             self.save(rec)  # a restart counts it as a refusal too
             return
         self._opened(rec, batch_id, recovered=False)
+
+    def _refused(self, rec: BatchRecord, kind: str, said: str) -> None:
+        """The key refused at upload or create: the endpoint blocks, the record closes
+        (nothing made, nothing paid), its sets wait HELD (not an attempt)."""
+        self.refuse_key(kind, said)
+        why = self.refused_key() or LLMError(said, blocked=kind)
+        for item in rec.items:
+            item.outcome = "returned"
+        self.closed(rec)
+        for item in rec.items:  # each decided after the record is gone
+            if (key := layout.SetKey.parse(item.set_id)) is not None:
+                self._decided(item.set_id, held(key, self.runs, why, item.attempts))
 
     def _opened(self, rec: BatchRecord, batch_id: str, *, recovered: bool) -> None:
         with self._lock:
@@ -336,6 +367,14 @@ class Results:
     def _give_back(self, set_id: str, reason: str) -> None:
         key = layout.SetKey.parse(set_id)
         self._decided(set_id, back(key, reason) if key is not None else NOTHING)
+
+
+def held(key: layout.SetKey, runs: Path, why: LLMError, attempts: int) -> Decision:
+    """A set the refused key holds back: HELD (STALE with a report), saying why, its
+    attempts as they were; no revisit (the endpoint's unblocking rescans), as live."""
+    stale = key.report_path(runs).exists()
+    return Decision.write(SetState.STALE if stale else SetState.HELD, reason=str(why),
+                          attempts=attempts, next_retry_at=None, rate_limited=0)
 
 
 def _chunks(items: list[BatchItem], lines: list[str],

@@ -28,7 +28,7 @@ from ...handlers import loss
 from ..core import config
 from ..core.errors import LLMError
 from ..infra import llm, llm_flex, log
-from ..infra.llm_limit import Limiters, Slot
+from ..infra.llm_limit import Limiters, Slot, describe
 from ..infra.llm_loop import LLMLoop
 from ..infra.state import SetState, StateStore
 from .budget import Budget
@@ -137,12 +137,14 @@ class Jobs:
             return list(self._futures.values())
 
     def _limit_event(self, event: str, **fields: Any) -> None:
-        """A limiter's event, logged; a limit that moved is kept for `status` too."""
+        """A limiter's event, logged; what the limiter does now is kept for `status`
+        too (its events are its changes of state: no write per call)."""
         self.emit(event, **fields)
+        limiter = self.limiters.named(str(fields.get("endpoint")))
+        if limiter is not None:
+            self.state.note_daemon(llm_endpoint=(limiter.endpoint, describe(limiter)))
         if event == "llm.unblocked" and self.on_unblocked is not None:
             self.on_unblocked()
-        if event == "llm.limit_changed":
-            self.state.note_daemon(llm_limit=(str(fields["endpoint"]), int(fields["limit"])))
 
     def warm_up(self) -> None:
         """litellm imported and the tokenizer loaded; a flex model with no flex price said."""
@@ -152,6 +154,17 @@ class Jobs:
     def refused_key(self) -> LLMError | None:
         """The configured endpoint's key is refused (quota, billing, auth): why."""
         return self.limiters.refusal(self.cfg.llm.model, self.cfg.llm.api_base)
+
+    def refuse_key(self, kind: str, said: str) -> None:
+        """A provider batch call was refused for the key (batch_results.py): the
+        endpoint blocks as for a live call (one llm.blocked, the probe). From the
+        batch thread: done on the loop, and waited for, so the next look holds."""
+        limiter = self.limiters.for_endpoint(self.cfg.llm.model, self.cfg.llm.api_base)
+
+        async def block() -> None:
+            limiter.block(kind, said)
+
+        self.llm.run(block())
 
     def _probe(self, model: str, api_base: str | None) -> Callable[[], Awaitable[str]]:
         """A blocked endpoint's probe: one small real call with the configured key."""

@@ -122,7 +122,7 @@ class Daemon:
                          llm_settings=self.discovery.llm_settings)
         self.batcher = Batcher(cfg, self.state, self.emit, stopping=self.stop_event,
                                pipeline=pipeline, discovery=self.discovery,
-                               finish_paid=self.jobs.finish_paid, wall_clock=self.clock)
+                               live=self.jobs, wall_clock=self.clock)
         self.metrics.register(metrics_runs.BatchGauges(self.batcher.snapshot))
         # The one owner of every set's life; the reconciler decides, it applies.
         self.owner = SetOwner(self.state, self.emit, revisits=self.revisits, steps=self.steps,
