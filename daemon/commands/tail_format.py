@@ -216,8 +216,11 @@ def _f_audit_leak(rec: Record) -> list[str]:
 
 
 def _f_llm_limit_changed(rec: Record) -> list[str]:
+    reason = _text(rec.get("reason", ""), 40)
+    if isinstance(rec.get("rate_per_s"), int | float):
+        reason += f": {rec['rate_per_s']:g}/s"
     return [f"{rec.get('endpoint', '?')} limit {rec.get('previous', '?')} -> "
-            f"{rec.get('limit', '?')}", f"({_text(rec.get('reason', ''), 40)})",
+            f"{rec.get('limit', '?')}", f"({reason})",
             f"in_flight={rec.get('in_flight', '?')}"]
 
 

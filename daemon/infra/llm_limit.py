@@ -17,11 +17,14 @@ concurrency-limits:
   unless the 429 states the provider's window (x-ratelimit-reset-requests,
   anthropic-ratelimit-requests-reset): then only the refused call waits its
   Retry-After, and the endpoint pauses for the window's refill alone;
-- before the wall: when a reply's x-ratelimit-remaining-requests (or
-  anthropic-ratelimit-requests-remaining) is no more than the calls already
-  in flight, or the remaining tokens would not cover them, no new call starts
-  until the matching reset (x-ratelimit-reset-*: `0.2s`, `6m0s`; Anthropic:
-  an RFC 3339 time);
+- paced on the stated rate: a provider that states its requests window
+  (limit, remaining, reset) tells its refill rate, and calls start evenly
+  spaced at just under it (llm_pace.py); the calls-at-once limit then skips
+  slow start and is only a cap. Without a stated rate, before the wall: when
+  a reply's remaining requests are no more than the calls in flight, or the
+  remaining tokens would not cover them, no new call starts until enough of
+  the window refills (x-ratelimit-reset-*: `0.2s`, `6m0s`; Anthropic: an
+  RFC 3339 time);
 - the limit only grows while the calls actually reach it (a limit nobody
   uses says nothing about the provider).
 
@@ -29,11 +32,12 @@ A key the provider refuses (insufficient_quota, billing, 401/403: llm.py's
 `refused_key`) is not a rate limit: no wait fixes it. It blocks the
 endpoint: one `llm.blocked` event, the calls waiting for a slot and every
 new one refused at once (LLMError with `blocked`, their sets wait: not an
-attempt), and every `probe_s` one small real call (`probe`) asks whether
-the key works again; when it does, `llm.unblocked` and the calls go on.
+attempt), and every `probe_s` one small real call (llm_probe.py) asks
+whether the key works again; when it does, `llm.unblocked` and the calls go on.
 
 Quiet by default: the limiter logs state changes only, with counts. A
-slow-start doubling and a rate-limit episode's cut are `llm.limit_changed`
+slow-start doubling, the start of pacing on a stated rate and a rate-limit
+episode's cut are `llm.limit_changed`
 (the cut with the 429s, holds and seconds held since the last such line);
 the provider's stated limit (x-ratelimit-limit-requests, anthropic-
 ratelimit-requests-limit) appearing, changing or going (GONE_AFTER replies
@@ -54,13 +58,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..core.errors import LLMError
-from .llm_headers import read_rate_headers, refill_s
+from .llm_headers import RateWindow, read_rate_headers, refill_s
+from .llm_pace import RatePacer
+from .llm_probe import PROBE_S, Probe, Prober
 
 OnChange = Callable[..., None]  # (event name, **fields)
 SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
@@ -69,8 +75,6 @@ EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
 GONE_AFTER = 10  # ok replies in a row without rate-limit headers: the provider stopped stating
 # them (not 1: replies to calls sent before a change may still come back with them)
-PROBE_S = 180.0  # a blocked endpoint: one small call this often, to see if the key works again
-Probe = Callable[[], Awaitable[str]]  # llm.probe: "ok", "blocked", "rate_limited", "error"
 
 
 @dataclass
@@ -115,11 +119,8 @@ class Limiter:
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
         self.blocked_since = 0.0
-        self.probe, self.probe_s = probe, probe_s
-        self._probes = 0
-        self._probe_timer: asyncio.TimerHandle | None = None
-        self._probe_task: asyncio.Task[None] | None = None
-        self.probe_due = 0.0  # clock: when the next probe starts
+        self.prober = Prober(probe, probe_s, clock=clock, works=self.unblock, said=self._probed)
+        self.pace = RatePacer()  # the provider's stated rate, once its replies state it
 
     # ------------------------------------------------------------- slots
     async def acquire(self) -> int:
@@ -128,7 +129,7 @@ class Limiter:
             raise self.refusal()
         self._peak = max(self._peak, self.in_flight + len(self._waiters) + 1)
         if not self._waiters and self._room():
-            self.in_flight += 1
+            self._admit()
             return self.generation
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -138,6 +139,8 @@ class Limiter:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.in_flight -= 1  # granted as we were cancelled: hand it on
+                # (its place in the pacing stays spent: the provider never saw it,
+                # one interval lost is the price of not tracking grants)
                 self._wake()
             else:
                 self._remove(waiter)
@@ -195,8 +198,7 @@ class Limiter:
             return
         self.blocked, self.blocked_since = (kind, said), self.clock()
         self.usage.blocked += 1
-        self._probes = 0
-        self.probe_due = self.clock() + self.probe_s  # for the line's description
+        self.prober.start()
         self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind,
                        reason=said, probe_s=self.probe_s, in_flight=self.in_flight,
                        waiting=len(self._waiters))
@@ -205,61 +207,43 @@ class Limiter:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
-        self._schedule_probe()
 
-    def _schedule_probe(self) -> None:
-        if self.probe is not None:
-            self.probe_due = self.clock() + self.probe_s
-            self._probe_timer = asyncio.get_running_loop().call_later(
-                self.probe_s, self._start_probe)
-
-    def _start_probe(self) -> None:
-        self._probe_timer = None
-        if self.blocked is not None and self._probe_task is None:
-            self._probe_task = asyncio.get_running_loop().create_task(self._run_probe())
-
-    async def _run_probe(self) -> None:
-        assert self.probe is not None
-        try:
-            self._probes += 1
-            said = await self.probe()
-        finally:
-            self._probe_task = None
-        if said in ("ok", "rate_limited"):  # a rate limit: the key itself is taken
-            self.unblock()
-        else:
-            self._schedule_probe()  # the next probe's time is news for `status` only
-            self.on_change("llm.probed", level="debug", endpoint=self.endpoint, said=said,
-                           probes=self._probes)
+    def _probed(self, said: str, probes: int) -> None:
+        # the next probe's time is news for `status` only
+        self.on_change("llm.probed", level="debug", endpoint=self.endpoint, said=said,
+                       probes=probes)
 
     def unblock(self) -> None:
         if self.blocked is None:
             return
         kind = self.blocked[0]
         self.blocked = None
-        if self._probe_timer is not None:
-            self._probe_timer.cancel()
-            self._probe_timer = None
+        self.prober.stop()
         self.on_change("llm.unblocked", endpoint=self.endpoint, kind=kind,
                        blocked_s=round(self.clock() - self.blocked_since, 1),
-                       probes=self._probes)
+                       probes=self.prober.count)
+
+    @property
+    def probe_s(self) -> float:
+        return self.prober.probe_s
 
     def close(self) -> None:
         """Shutting down: no probe left scheduled or running."""
-        if self._probe_timer is not None:
-            self._probe_timer.cancel()
-            self._probe_timer = None
-        if self._probe_task is not None:
-            self._probe_task.cancel()
+        self.prober.stop()
 
     def _room(self) -> bool:
-        return self.in_flight < self.limit and self.clock() >= self.hold_until
+        now = self.clock()
+        return self.in_flight < self.limit and now >= self.hold_until and self.pace.ready(now)
+
+    def _admit(self) -> None:
+        self.in_flight += 1
+        self.pace.took(self.clock())
 
     def _wake(self) -> None:
         while self._waiters and self._room():
             waiter = self._waiters.popleft()
             if not waiter.done():
-                self.in_flight += 1
+                self._admit()
                 waiter.set_result(None)
         self._arm_timer()
 
@@ -270,8 +254,9 @@ class Limiter:
             pass
 
     def _arm_timer(self) -> None:
-        """Wake the waiters when a hold ends (nothing else would)."""
-        delay = self.hold_until - self.clock()
+        """Wake the waiters when a hold ends or the next paced call is due
+        (nothing else would)."""
+        delay = max(self.hold_until, self.pace.next_at()) - self.clock()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -285,6 +270,7 @@ class Limiter:
             return
         used = self._peak >= self.limit
         self._successes, self._peak = 0, self.in_flight + len(self._waiters)
+        self.pace.succeeded()
         if not used or self.limit >= self.ceiling:
             return
         new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
@@ -301,9 +287,11 @@ class Limiter:
         self.generation += 1
         self._successes = 0
         self._cut_at = now
+        if self.pace.rate is not None:
+            self.pace.rate_limited()
         self._set(max(self.floor, min(self.limit - 1, int(self.limit * CUT))), "rate limited")
 
-    def _set(self, new: int, reason: str) -> None:
+    def _set(self, new: int, reason: str, **extra: Any) -> None:
         if new == self.limit:
             return
         old, self.limit = self.limit, new
@@ -313,7 +301,7 @@ class Limiter:
                            limit=new, previous=old, reason=reason, in_flight=self.in_flight)
             return
         self.on_change("llm.limit_changed", endpoint=self.endpoint, limit=new, previous=old,
-                       reason=reason, in_flight=self.in_flight, **self._counts())
+                       reason=reason, in_flight=self.in_flight, **extra, **self._counts())
 
     def _counts(self) -> dict[str, float]:
         """What happened since the last logged line: 429s, holds, seconds held."""
@@ -343,6 +331,8 @@ class Limiter:
         minute: half as many calls), not left to meet 429s first."""
         old, self.stated_limits = self.stated_limits, stated
         was, now = old[0], stated[0]
+        if stated == (None, None):
+            self.pace.forget()
         previous = self.limit
         if was and now and was != now:
             new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
@@ -377,15 +367,32 @@ class Limiter:
             self._candidate = (stated, 0 if stated == self.stated_limits else seen)
             if stated != self.stated_limits and (seen >= 2 or self.stated_limits == (None, None)):
                 self._restate(stated)
-        short = self.in_flight + 1 - (window.requests_left or 0)  # requests we lack
-        if window.requests_left is not None and short > 0:
-            self._hold(refill_s(window.requests_reset_s, window.requests_limit,
-                                 window.requests_left, short), "requests nearly spent")
+        self._observe_rate(window)
+        if self.pace.rate is not None:  # paced: only a spent window waits, one request's refill
+            if window.requests_left == 0:
+                self._hold(refill_s(window.requests_reset_s, window.requests_limit, 0, 1),
+                           "requests spent")
+        elif window.requests_left is not None:
+            short = self.in_flight + 1 - window.requests_left  # requests we lack
+            if short > 0:
+                self._hold(refill_s(window.requests_reset_s, window.requests_limit,
+                                     window.requests_left, short), "requests nearly spent")
         if window.tokens_left is not None and self._tokens_per_call > 0:
             need = self._tokens_per_call * (self.in_flight + 1) - window.tokens_left
             if need > 0:
                 self._hold(refill_s(window.tokens_reset_s, window.tokens_limit,
                                      window.tokens_left, need), "tokens nearly spent")
+
+
+    def _observe_rate(self, window: RateWindow) -> None:
+        """One more reading of the stated refill rate; the first one ends slow start:
+        the pacing keeps the provider's rate, the calls-at-once limit is a cap."""
+        known = self.pace.rate is not None
+        self.pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s)
+        if not known and self.pace.rate is not None and self.slow_start:
+            self.slow_start = False
+            self._set(self.ceiling, "paced on the stated rate",
+                      rate_per_s=round(self.pace.rate, 2))
 
 
 class Slot:
@@ -431,7 +438,7 @@ def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"limit": lim.limit, "requests_limit": lim.stated_limits[0],
                            "tokens_limit": lim.stated_limits[1]}
     if lim.blocked is not None:
-        due = lim.probe_due if lim.probe is not None else None
+        due = lim.prober.due if lim.prober.probe is not None else None
         return {**out, "mode": "blocked", "kind": lim.blocked[0],
                 "reason": lim.blocked[1], "probe_s": lim.probe_s,
                 "since": wall - (now - lim.blocked_since),

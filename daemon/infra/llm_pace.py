@@ -1,0 +1,72 @@
+"""Pacing on the rate a provider states: calls spaced evenly at just under it.
+
+A provider that states its window (x-ratelimit-limit-/remaining-/reset-
+requests, anthropic-ratelimit-requests-*) refills it continuously, a token
+bucket: `reset` is when it is full again. So every reply tells its refill
+rate: (limit - remaining) / reset, `2400 - 2399` over `25ms` = 40 a second.
+Remaining is a whole number rounded down and reset is rounded, so a single
+reading can only be too high, never too low by much: the rate is the least of
+the last ESTIMATES readings.
+
+Calls then start one every 1 / (rate x aim) seconds (GCRA: a theoretical
+arrival time moved on by one interval per call, with BURST_S of slack so a
+timer's lateness is not lost). `aim` starts at AIM, just under the limit; a
+429 episode while paced lowers it by AIM_CUT (the readings were too high, or
+another client shares the key), and each window of successes brings it back
+up by AIM_STEP. Aiming at the limit itself, rather than at a margin below it,
+is what reaches the rate the provider sells (issue 36: 84-88 % before).
+
+Runs on the LLM loop's thread, like the limiter that owns it: no locks.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+AIM = 0.98  # the share of the stated rate aimed at
+AIM_CUT = 0.9  # a rate-limit episode while paced: aim this much lower
+AIM_STEP = 0.01  # a window of successes: aim this much higher again (up to AIM)
+AIM_FLOOR = 0.5  # however many episodes, never below half the stated rate
+BURST_S = 0.1  # a call may start this far ahead of its even spacing
+ESTIMATES = 32  # readings of the refill rate kept; the rate is their least
+
+
+class RatePacer:
+    """The stated refill rate of one endpoint and the even spacing of its calls."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None  # requests a second the provider refills, once stated
+        self.aim = AIM
+        self._readings: deque[float] = deque(maxlen=ESTIMATES)
+        self._next = 0.0  # when the next call is due (the clock of the limiter)
+
+    def observe(self, limit: int | None, left: int | None, reset_s: float | None) -> None:
+        """A reply's stated window: one more reading of the refill rate."""
+        if limit is None or left is None or not reset_s or left >= limit:
+            return  # a full window, or no reset: says nothing of the rate
+        self._readings.append((limit - left) / reset_s)
+        self.rate = min(self._readings)
+
+    def forget(self) -> None:
+        """The provider stopped stating its window: no pacing until it does again."""
+        self._readings.clear()
+        self.rate = None
+
+    def ready(self, now: float) -> bool:
+        return self.rate is None or now >= self._next - BURST_S
+
+    def next_at(self) -> float:
+        """When the next call may start (0.0: now, nothing is paced)."""
+        return self._next - BURST_S if self.rate is not None else 0.0
+
+    def took(self, now: float) -> None:
+        """A call started: the next one is due an interval later."""
+        if self.rate is not None:
+            self._next = max(self._next, now) + 1.0 / (self.rate * self.aim)
+
+    def rate_limited(self) -> None:
+        """A 429 episode although paced: aim lower."""
+        self.aim = max(AIM_FLOOR, self.aim * AIM_CUT)
+
+    def succeeded(self) -> None:
+        """A window of successes: aim back towards the limit."""
+        self.aim = min(AIM, self.aim + AIM_STEP)

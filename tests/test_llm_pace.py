@@ -1,0 +1,83 @@
+"""Pacing on a provider's stated rate (issue 36), the rule on its own: the refill
+rate read off the headers, calls spaced evenly at just under it, the aim lowered
+by a 429 episode and raised again by successes; and the limiter that uses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from skilltrain.daemon.commands.tail_format import _f_llm_limit_changed
+from skilltrain.daemon.infra.llm_pace import AIM, AIM_FLOOR, BURST_S, RatePacer
+from tests.test_llm_limit import limiter, run
+
+
+def test_the_rate_is_the_least_reading_of_limit_minus_remaining_over_reset() -> None:
+    pace = RatePacer()
+    pace.observe(2400, 2400, 0.0)  # a full window says nothing of the rate
+    pace.observe(None, 10, 1.0)
+    assert pace.rate is None and pace.ready(0.0) and pace.next_at() == 0.0
+    pace.observe(2400, 2399, 0.025)  # OpenAI's own example: 2400/min, 25 ms for one
+    assert pace.rate == pytest.approx(40.0)
+    pace.observe(40, 39, 0.0125)  # remaining rounded down: a reading too high is ignored
+    assert pace.rate == pytest.approx(40.0)
+    pace.observe(20, 0, 1.0)  # the provider halved it: at once
+    assert pace.rate == pytest.approx(20.0)
+    pace.forget()
+    assert pace.rate is None and pace.ready(123.0)
+
+
+def test_calls_start_evenly_spaced_at_the_aim_with_a_little_slack() -> None:
+    pace = RatePacer()
+    pace.observe(40, 0, 1.0)  # 40 a second
+    interval = 1.0 / (40 * AIM)
+    started = 0
+    while pace.ready(0.0):  # at one instant: only the slack's worth go
+        pace.took(0.0)
+        started += 1
+    assert started == int(BURST_S / interval) + 1
+    assert pace.next_at() == pytest.approx(started * interval - BURST_S)
+    # Over a second of a fine clock: the aim's rate, not more.
+    now, n = 0.0, 0
+    pace = RatePacer()
+    pace.observe(40, 0, 1.0)
+    while now < 10.0:
+        if pace.ready(now):
+            pace.took(now)
+            n += 1
+        now += 0.001
+    assert n / 10.0 == pytest.approx(40 * AIM, rel=0.02)
+
+
+def test_a_429_episode_lowers_the_aim_and_successes_bring_it_back() -> None:
+    pace = RatePacer()
+    for _ in range(40):
+        pace.rate_limited()
+    assert pace.aim == AIM_FLOOR
+    for _ in range(100):
+        pace.succeeded()
+    assert pace.aim == AIM
+
+    async def scenario() -> None:
+        lim, events, clock = limiter()
+        # The first stated window ends slow start: paced, the limit is only a cap.
+        lim.release(await lim.acquire(), "ok", headers={
+            "x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "19",
+            "x-ratelimit-reset-requests": "50ms"})
+        assert lim.pace.rate == pytest.approx(20.0) and lim.limit == 64
+        (paced,) = [e for e in events if e["event"] == "llm.limit_changed"]
+        assert paced["reason"] == "paced on the stated rate" and paced["rate_per_s"] == 20.0
+        assert "limit 4 -> 64 (paced on the stated rate: 20/s)" in " ".join(
+            _f_llm_limit_changed(paced))
+        gens = [await lim.acquire() for _ in range(2)]  # the slack: 0.1 s at 19.6/s
+        assert not lim._room()  # the next one waits for its turn, not for a slot
+        clock.now += 1.0 / (20 * AIM)
+        assert lim._room()
+        lim.release(gens[0], "rate_limited", headers={
+            "x-ratelimit-limit-requests": "20", "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "1s"})
+        assert lim.pace.aim == pytest.approx(AIM * 0.9) and lim.limit == 51
+        assert 0 < lim.hold_until - clock.now <= 0.05 + 1e-9  # one request's refill
+        for g in gens[1:]:
+            lim.release(g, "ok")
+
+    run(scenario())
