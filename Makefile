@@ -17,10 +17,11 @@ $(STAMP): requirements-dev.lock pyproject.toml
 example: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/example.sh
 
-# Two workers (pytest-xdist): the suite's tests are independent, and most of
-# their time is waiting on daemons, subprocesses and loopback servers.
+# Three workers (pytest-xdist) on two cores: the suite's tests are independent,
+# and most of their time is waiting on daemons, subprocesses and loopback
+# servers (-n 2: 6:33 and 60 % of both cores busy; -n 3: 4:56, all green).
 test: $(STAMP)
-	$(BIN)/pytest -n 2
+	$(BIN)/pytest -n 3
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

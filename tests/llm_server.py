@@ -394,6 +394,10 @@ def _make_request(path: str, headers: dict[str, str], raw: bytes) -> Request:
 class _HTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True  # restart on the same port despite TIME_WAIT
     daemon_threads = True
+    # socketserver's default backlog is 5: a burst of 40 connects on a loaded
+    # machine overflows it and the dropped SYNs come back only after the
+    # kernel's 1 s, 3 s, 7 s... retransmits (a provider listens with far more).
+    request_queue_size = 256
 
     def __init__(self, address: tuple[str, int], owner: LLMServer) -> None:
         self.owner = owner
