@@ -4,6 +4,8 @@ by a 429 episode and raised again by successes; and the limiter that uses it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from skilltrain.daemon.commands.tail_format import _f_llm_limit_changed
@@ -81,3 +83,33 @@ def test_a_429_episode_lowers_the_aim_and_successes_bring_it_back() -> None:
             lim.release(g, "ok")
 
     run(scenario())
+
+
+def test_anthropic_whole_second_resets_never_read_as_a_slow_rate() -> None:
+    """4000 requests a minute (66.7/s), one used, `reset` the next whole second:
+    read naively, 0.1 s before that second, it would be 10/s; a second's
+    error taken off, it says nothing until the window is far from full."""
+    from datetime import UTC, datetime
+
+    from skilltrain.daemon.infra.llm_headers import read_rate_headers
+
+    def at(seconds_from_now: float) -> str:
+        when = datetime.fromtimestamp(time.time() + seconds_from_now, UTC)
+        return when.strftime("%Y-%m-%dT%H:%M:%SZ")  # Anthropic's form: whole seconds
+
+    def headers(left: int, reset_in: float) -> dict[str, str]:
+        return {"anthropic-ratelimit-requests-limit": "4000",
+                "anthropic-ratelimit-requests-remaining": str(left),
+                "anthropic-ratelimit-requests-reset": at(reset_in)}
+
+    pace = RatePacer()
+    window = read_rate_headers(headers(3999, 0.9))
+    assert window.requests_reset_error_s == 1.0
+    pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s,
+                 window.requests_reset_error_s)
+    assert pace.rate is None  # too coarse to say
+    window = read_rate_headers(headers(0, 60.0))  # spent: a whole minute to refill
+    pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s,
+                 window.requests_reset_error_s)
+    assert pace.rate is not None and 4000 / 60 <= pace.rate <= 4000 / 58
+    assert read_rate_headers({"x-ratelimit-reset-requests": "25ms"}).requests_reset_error_s == 0

@@ -35,6 +35,9 @@ class RateWindow:
     tokens_limit: int | None = None
     tokens_left: int | None = None
     tokens_reset_s: float | None = None
+    # How far off requests_reset_s may be: an RFC 3339 time in whole seconds
+    # (Anthropic's) says "within the next second", not "in 0.1 s".
+    requests_reset_error_s: float = 0.0
 
 
 _PREFIX = "llm_provider-"  # litellm repeats every provider header with this prefix
@@ -50,6 +53,7 @@ def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
     def first(*names: str) -> str | None:
         return next((h[n] for n in names if n in h), None)
 
+    requests_reset = first("x-ratelimit-reset-requests", "anthropic-ratelimit-requests-reset")
     return RateWindow(
         requests_limit=_int(first("x-ratelimit-limit-requests",
                                   "anthropic-ratelimit-requests-limit")),
@@ -57,8 +61,8 @@ def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
                                 "anthropic-ratelimit-input-tokens-limit")),
         requests_left=_int(first("x-ratelimit-remaining-requests",
                                  "anthropic-ratelimit-requests-remaining")),
-        requests_reset_s=parse_reset(first("x-ratelimit-reset-requests",
-                                           "anthropic-ratelimit-requests-reset")),
+        requests_reset_s=parse_reset(requests_reset),
+        requests_reset_error_s=reset_error_s(requests_reset),
         tokens_left=_int(first("x-ratelimit-remaining-tokens",
                                "anthropic-ratelimit-tokens-remaining",
                                "anthropic-ratelimit-input-tokens-remaining")),
@@ -76,6 +80,17 @@ def _int(value: str | None) -> int | None:
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def reset_error_s(value: str | None) -> float:
+    """How coarse a reset value is: 1 s for a time of day in whole seconds
+    (plus the clocks' skew, which no header tells), else nothing."""
+    if not value or not _WHOLE_SECOND_TIME.match(value.strip()):
+        return 0.0
+    return 1.0
+
+
+_WHOLE_SECOND_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(Z|[+-]\d\d:?\d\d)?$")
 
 
 def parse_reset(value: str | None, now: float | None = None) -> float | None:

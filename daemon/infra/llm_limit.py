@@ -388,7 +388,8 @@ class Limiter:
         """One more reading of the stated refill rate; the first one ends slow start:
         the pacing keeps the provider's rate, the calls-at-once limit is a cap."""
         known = self.pace.rate is not None
-        self.pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s)
+        self.pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s,
+                          window.requests_reset_error_s)
         if not known and self.pace.rate is not None and self.slow_start:
             self.slow_start = False
             self._set(self.ceiling, "paced on the stated rate",

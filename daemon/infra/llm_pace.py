@@ -4,9 +4,13 @@ A provider that states its window (x-ratelimit-limit-/remaining-/reset-
 requests, anthropic-ratelimit-requests-*) refills it continuously, a token
 bucket: `reset` is when it is full again. So every reply tells its refill
 rate: (limit - remaining) / reset, `2400 - 2399` over `25ms` = 40 a second.
-Remaining is a whole number rounded down and reset is rounded, so a single
-reading can only be too high, never too low by much: the rate is the least of
-the last ESTIMATES readings.
+Remaining is a whole number rounded down, so a reading is an upper bound of
+the rate, and the rate is the least of the last ESTIMATES readings. A reset
+given as a time of day in whole seconds (Anthropic's RFC 3339 times) may be
+up to a second late: its reading takes a second off the reset, so it stays an
+upper bound (a refill of one request "by 10:00:01" read at 10:00:00.1 is not
+1.1 requests a second), and says nothing until the window is far enough from
+full that the second no longer matters.
 
 Calls then start one every 1 / (rate x aim) seconds (GCRA: a theoretical
 arrival time moved on by one interval per call, with BURST_S of slack so a
@@ -39,11 +43,15 @@ class RatePacer:
         self._readings: deque[float] = deque(maxlen=ESTIMATES)
         self._next = 0.0  # when the next call is due (the clock of the limiter)
 
-    def observe(self, limit: int | None, left: int | None, reset_s: float | None) -> None:
-        """A reply's stated window: one more reading of the refill rate."""
-        if limit is None or left is None or not reset_s or left >= limit:
+    def observe(self, limit: int | None, left: int | None, reset_s: float | None,
+                error_s: float = 0.0) -> None:
+        """A reply's stated window: one more reading of the refill rate.
+        `error_s`: how much earlier than `reset_s` the window may be full."""
+        if limit is None or left is None or reset_s is None or left >= limit:
             return  # a full window, or no reset: says nothing of the rate
-        self._readings.append((limit - left) / reset_s)
+        if reset_s - error_s <= 0:
+            return  # too coarse to say
+        self._readings.append((limit - left) / (reset_s - error_s))
         self.rate = min(self._readings)
 
     def forget(self) -> None:
