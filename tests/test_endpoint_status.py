@@ -49,8 +49,8 @@ def test_status_says_what_the_endpoint_does_blocked_first_of_all(
         first = ws.write_step("r1", 1, 1, success=True)
         start(ws)
         wait_until(lambda: all(ws.has_report(s) for s in first), 30, message="step 1")
-        wait_until(lambda: "pacing on the provider's stated limit (50 requests)" in status(),
-                   10, message="the stated limit in status")
+        wait_until(lambda: "pacing on the provider's stated limit (50 requests), calls "
+                   "started " in status(), 10, message="the stated limit and rate in status")
 
         refused.set()
         second = ws.write_step("r1", 1, 2, success=True)

@@ -293,7 +293,8 @@ def test_the_llm_limits_and_open_batches_are_shown(few: Tree) -> None:
     store.note_daemon(llm_endpoint=("gpt-4o-mini@127.0.0.1:9", {"mode": "adaptive",
                                                                 "limit": 12}))
     store.note_daemon(llm_endpoint=("gpt-4o-mini@127.0.0.1:9", {"mode": "stated", "limit": 6,
-                                                                "requests_limit": 2400}))
+                                                                "requests_limit": 2400,
+                                                                "paced_per_s": 39.2}))
     store.flush(pid=os.getpid())
     store.close()
     run = "run00"
@@ -307,7 +308,7 @@ def test_the_llm_limits_and_open_batches_are_shown(few: Tree) -> None:
     text, data = few.status(), few.json()
     assert data["daemon"]["llm_limits"] == {"gpt-4o-mini@127.0.0.1:9": 6}
     assert "gpt-4o-mini@127.0.0.1:9: pacing on the provider's stated limit (2,400 requests), " \
-        "6 calls at once" in text
+        "calls started 39.2/s, 6 calls at once" in text
     (batch,) = data["batches"]
     assert (batch["batch_id"], batch["sets"], batch["done"]) == ("batch_abc", 3, 1)
     assert "open batches (1):" in text and "batch_abc" in text

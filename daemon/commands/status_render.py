@@ -81,8 +81,10 @@ def endpoint_text(e: dict[str, Any], now: float) -> str:
     if e.get("mode") == "stated":
         stated = [f"{e[k]:,} {what}" for k, what in (("requests_limit", "requests"),
                                                     ("tokens_limit", "tokens")) if e.get(k)]
+        paced = e.get("paced_per_s")
+        rate = f"calls started {paced:g}/s, " if isinstance(paced, int | float) else ""
         return f"pacing on the provider's stated limit ({', '.join(stated)}), " \
-               f"{limit} calls at once"
+               f"{rate}{limit} calls at once"
     if e.get("mode") == "fixed":
         return f"{limit} calls at once (fixed)"
     return f"adaptive limit of {limit} calls at once (no limit stated)"

@@ -446,6 +446,8 @@ def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
                 "next_probe_at": None if due is None else wall + max(0.0, due - now)}
     mode = "fixed" if not lim.adaptive else \
         "stated" if lim.stated_limits != (None, None) else "adaptive"
+    if mode == "stated" and lim.pace.rate is not None:
+        out["paced_per_s"] = round(lim.pace.rate * lim.pace.aim, 1)
     return {**out, "mode": mode}
 
 
