@@ -24,6 +24,10 @@ def test_the_rate_is_the_least_reading_of_limit_minus_remaining_over_reset() -> 
     assert pace.rate == pytest.approx(40.0)
     pace.observe(20, 0, 1.0)  # the provider halved it: at once
     assert pace.rate == pytest.approx(20.0)
+    pace.restart()  # the stated limit went back up: the old readings go, the rate stays
+    assert pace.rate == pytest.approx(20.0)
+    pace.observe(40, 0, 1.0)
+    assert pace.rate == pytest.approx(40.0)  # not held at 20 for 32 more readings
     pace.forget()
     assert pace.rate is None and pace.ready(123.0)
 

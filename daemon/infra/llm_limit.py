@@ -35,18 +35,14 @@ new one refused at once (LLMError with `blocked`, their sets wait: not an
 attempt), and every `probe_s` one small real call (llm_probe.py) asks
 whether the key works again; when it does, `llm.unblocked` and the calls go on.
 
-Quiet by default: the limiter logs state changes only, with counts. A
-slow-start doubling, the start of pacing on a stated rate and a rate-limit
-episode's cut are `llm.limit_changed`
-(the cut with the 429s, holds and seconds held since the last such line);
-the provider's stated limit (x-ratelimit-limit-requests, anthropic-
-ratelimit-requests-limit) appearing, changing or going (GONE_AFTER replies
-without it: AIMD alone again) is `llm.pacing`, with `change` "stated",
-"changed" or "gone". A changed figure re-anchors the calls-at-once limit
-at once, in proportion (2400 -> 1200 a minute: half the calls), without
-waiting for 429s to cut it; a cut begins a new episode. A step of one
-(AIMD growth) and each hold are debug lines only; Prometheus counts every
-hold and its seconds (docs/metrics.md).
+Quiet by default: state changes only, with counts. A slow-start doubling,
+the start of pacing and an episode's cut are `llm.limit_changed` (with the
+429s, holds and seconds held since the last line); the stated limit
+appearing, changing or going (GONE_AFTER replies without it) is
+`llm.pacing`. A changed figure re-anchors the calls-at-once limit at once,
+in proportion (2400 -> 1200 a minute: half the calls); a cut begins a new
+episode. A step of one and each hold are debug lines only; Prometheus counts
+every hold and its seconds (docs/metrics.md).
 
 A call gives its slot back when it ends, also while it waits out a backoff
 (llm.acomplete), and takes one again for its next attempt.
@@ -335,6 +331,7 @@ class Limiter:
             self.pace.forget()
         previous = self.limit
         if was and now and was != now:
+            self.pace.restart()
             new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
             if new < self.limit:  # the calls admitted under the old figure: this episode
                 self.generation += 1

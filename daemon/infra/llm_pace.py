@@ -54,6 +54,12 @@ class RatePacer:
         self._readings.append((limit - left) / (reset_s - error_s))
         self.rate = min(self._readings)
 
+    def restart(self) -> None:
+        """The stated limit changed: older readings are of the old window (the
+        rate stays until the next reading replaces it, so a raise is not
+        held back by 32 readings of the old, lower rate)."""
+        self._readings.clear()
+
     def forget(self) -> None:
         """The provider stopped stating its window: no pacing until it does again."""
         self._readings.clear()
