@@ -9,6 +9,7 @@ import time
 import pytest
 
 from skilltrain.daemon.commands.tail_format import _f_llm_limit_changed
+from skilltrain.daemon.infra.llm_limit import Limiter
 from skilltrain.daemon.infra.llm_pace import AIM, AIM_FLOOR, BURST_S, RatePacer
 from tests.test_llm_limit import limiter, run
 
@@ -18,6 +19,10 @@ def test_the_rate_is_the_least_reading_of_limit_minus_remaining_over_reset() -> 
     pace.observe(2400, 2400, 0.0)  # a full window says nothing of the rate
     pace.observe(None, 10, 1.0)
     assert pace.rate is None and pace.ready(0.0) and pace.next_at() == 0.0
+    pace.observe(20, 19, 1767225600.0)  # a Unix time where a duration belongs
+    pace.observe(20, 19, float("inf"))
+    pace.observe(14400, 14399, 6.0)  # Groq: requests per DAY as the limit (a 24 h window)
+    assert pace.rate is None  # none of them a rate to pace on
     pace.observe(2400, 2399, 0.025)  # OpenAI's own example: 2400/min, 25 ms for one
     assert pace.rate == pytest.approx(40.0)
     pace.observe(40, 39, 0.0125)  # remaining rounded down: a reading too high is ignored
@@ -108,12 +113,65 @@ def test_anthropic_whole_second_resets_never_read_as_a_slow_rate() -> None:
 
     pace = RatePacer()
     window = read_rate_headers(headers(3999, 0.9))
-    assert window.requests_reset_error_s == 1.0
+    assert window.requests_reset_error_s == 2.0
     pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s,
                  window.requests_reset_error_s)
     assert pace.rate is None  # too coarse to say
     window = read_rate_headers(headers(0, 60.0))  # spent: a whole minute to refill
     pace.observe(window.requests_limit, window.requests_left, window.requests_reset_s,
                  window.requests_reset_error_s)
-    assert pace.rate is not None and 4000 / 60 <= pace.rate <= 4000 / 58
+    assert pace.rate is not None and 4000 / 60 <= pace.rate <= 4000 / 57
     assert read_rate_headers({"x-ratelimit-reset-requests": "25ms"}).requests_reset_error_s == 0
+
+
+def test_a_waiter_is_never_left_without_a_timer_when_nothing_is_in_flight() -> None:
+    """Two lost wakeups the paced limiter had (an independent review found them;
+    one explains a limiter test idle for 120 s under load): an acquire() in the
+    loop iteration in which the pacing timer fell due cancelled that timer and
+    armed none; a release() whose two clock reads straddled the due time did
+    the same. With nothing in flight, nothing else would ever wake the waiter."""
+    import asyncio
+
+    class TickingClock:
+        def __init__(self) -> None:
+            self.now, self.tick = 1000.0, 0.0
+
+        def __call__(self) -> float:
+            t = self.now
+            self.now += self.tick  # a pause between two reads of the clock
+            return t
+
+    async def admitted(waiter: asyncio.Future[int]) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), 1.0)
+            return True
+        except TimeoutError:
+            return False
+
+    async def acquire_after_the_due_time() -> None:
+        lim, _, clock = limiter()
+        lim.pace.observe(60, 59, 1.0)  # one a second
+        g = await lim.acquire()
+        b = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0)
+        lim.release(g, "ok")
+        clock.now = lim.pace.next_at() + 0.01  # due; the timer has not run yet
+        c = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0)
+        assert await admitted(b)
+        c.cancel()  # its turn is a paced interval away: not what this is about
+
+    async def release_straddling_the_due_time() -> None:
+        clock = TickingClock()
+        lim = Limiter("m@h", fixed=None, clock=clock)
+        lim.pace.observe(60, 59, 1.0)
+        g = await lim.acquire()
+        b = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0)
+        clock.now, clock.tick = lim.pace.next_at() - 0.0005, 0.001
+        lim.release(g, "ok")  # _room() just before the due time, _arm_timer() just after
+        clock.tick, clock.now = 0.0, clock.now + 10.0
+        assert await admitted(b)
+
+    run(acquire_after_the_due_time())
+    run(release_straddling_the_due_time())

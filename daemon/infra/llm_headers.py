@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from email.utils import parsedate_to_datetime
 
 HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
 
@@ -36,7 +37,8 @@ class RateWindow:
     tokens_left: int | None = None
     tokens_reset_s: float | None = None
     # How far off requests_reset_s may be: an RFC 3339 time in whole seconds
-    # (Anthropic's) says "within the next second", not "in 0.1 s".
+    # (Anthropic's), read against the reply's Date (whole seconds too), is
+    # off by up to two seconds; a duration (`25ms`) by nothing that matters.
     requests_reset_error_s: float = 0.0
 
 
@@ -54,6 +56,9 @@ def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
         return next((h[n] for n in names if n in h), None)
 
     requests_reset = first("x-ratelimit-reset-requests", "anthropic-ratelimit-requests-reset")
+    # A reset given as a time of day is read against the provider's own clock
+    # (its Date header) when it gives one: ours may be off by more than the window.
+    now = _http_date(h.get("date"))
     return RateWindow(
         requests_limit=_int(first("x-ratelimit-limit-requests",
                                   "anthropic-ratelimit-requests-limit")),
@@ -61,14 +66,14 @@ def read_rate_headers(headers: Mapping[str, str]) -> RateWindow:
                                 "anthropic-ratelimit-input-tokens-limit")),
         requests_left=_int(first("x-ratelimit-remaining-requests",
                                  "anthropic-ratelimit-requests-remaining")),
-        requests_reset_s=parse_reset(requests_reset),
+        requests_reset_s=parse_reset(requests_reset, now),
         requests_reset_error_s=reset_error_s(requests_reset),
         tokens_left=_int(first("x-ratelimit-remaining-tokens",
                                "anthropic-ratelimit-tokens-remaining",
                                "anthropic-ratelimit-input-tokens-remaining")),
         tokens_reset_s=parse_reset(first("x-ratelimit-reset-tokens",
                                          "anthropic-ratelimit-tokens-reset",
-                                         "anthropic-ratelimit-input-tokens-reset")),
+                                         "anthropic-ratelimit-input-tokens-reset"), now),
     )
 
 
@@ -82,15 +87,25 @@ def _int(value: str | None) -> int | None:
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
 
+_WHOLE_SECOND_TIME = re.compile(r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d:\d\d([Zz]|[+-]\d\d:?\d\d)?$")
+
+
 def reset_error_s(value: str | None) -> float:
-    """How coarse a reset value is: 1 s for a time of day in whole seconds
-    (plus the clocks' skew, which no header tells), else nothing."""
+    """How coarse a reset value is: a time of day in whole seconds, less the
+    reply's Date (whole seconds, or our own clock), is off by up to 2 s; a
+    duration by nothing that matters."""
     if not value or not _WHOLE_SECOND_TIME.match(value.strip()):
         return 0.0
-    return 1.0
+    return 2.0
 
 
-_WHOLE_SECOND_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(Z|[+-]\d\d:?\d\d)?$")
+def _http_date(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 def parse_reset(value: str | None, now: float | None = None) -> float | None:

@@ -133,10 +133,9 @@ class Limiter:
         try:
             await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.in_flight -= 1  # granted as we were cancelled: hand it on
-                # (its place in the pacing stays spent: the provider never saw it,
-                # one interval lost is the price of not tracking grants)
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.in_flight -= 1  # granted as we were cancelled: hand it on (its
+                # paced interval stays spent: one lost, not worth tracking grants)
                 self._wake()
             else:
                 self._remove(waiter)
@@ -250,13 +249,14 @@ class Limiter:
             pass
 
     def _arm_timer(self) -> None:
-        """Wake the waiters when a hold ends or the next paced call is due
-        (nothing else would)."""
-        delay = max(self.hold_until, self.pace.next_at()) - self.clock()
+        """Wake the waiters when a hold ends or the next paced call is due: armed
+        whenever only time holds them, even if it just passed (a timer due in this
+        iteration is cancelled here; with nothing in flight none would wake them)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._waiters and delay > 0:
+        if self._waiters and self.in_flight < self.limit:
+            delay = max(0.0, max(self.hold_until, self.pace.next_at()) - self.clock())
             self._timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
     # ------------------------------------------------------------- the limit
@@ -349,7 +349,8 @@ class Limiter:
                        **self._counts())
 
     def _pace(self, headers: Mapping[str, str]) -> None:
-        """Slow down before the wall: the provider says its window is nearly spent."""
+        """What a reply says of the provider's window: its stated limit (restated
+        on a change), a reading of its refill rate, and a hold when it is spent."""
         window = read_rate_headers(headers)
         stated = (window.requests_limit, window.tokens_limit)
         if stated == (None, None):
@@ -444,7 +445,7 @@ def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
     mode = "fixed" if not lim.adaptive else \
         "stated" if lim.stated_limits != (None, None) else "adaptive"
     if mode == "stated" and lim.pace.rate is not None:
-        out["paced_per_s"] = round(lim.pace.rate * lim.pace.aim, 1)
+        out["paced_per_s"] = float(f"{lim.pace.rate * lim.pace.aim:.3g}")  # 39.2, 0.167
     return {**out, "mode": mode}
 
 

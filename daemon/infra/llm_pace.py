@@ -5,12 +5,16 @@ requests, anthropic-ratelimit-requests-*) refills it continuously, a token
 bucket: `reset` is when it is full again. So every reply tells its refill
 rate: (limit - remaining) / reset, `2400 - 2399` over `25ms` = 40 a second.
 Remaining is a whole number rounded down, so a reading is an upper bound of
-the rate, and the rate is the least of the last ESTIMATES readings. A reset
-given as a time of day in whole seconds (Anthropic's RFC 3339 times) may be
-up to a second late: its reading takes a second off the reset, so it stays an
+the rate (if the reset is not rounded up), and the rate is the least of the
+last ESTIMATES readings. A reset given as a time of day in whole seconds
+(Anthropic's RFC 3339 times, read against the reply's Date) may be up to two
+seconds off: its reading takes two seconds off the reset, so it stays an
 upper bound (a refill of one request "by 10:00:01" read at 10:00:00.1 is not
 1.1 requests a second), and says nothing until the window is far enough from
-full that the second no longer matters.
+full that the seconds no longer matter. A reading whose whole window would
+take over MAX_WINDOW_S to refill is no rate to pace on (a daily quota stated
+as the requests limit, as Groq does; a fixed window read early; a Unix time
+where a duration belongs): those are left to AIMD and the holds.
 
 Calls then start one every 1 / (rate x aim) seconds (GCRA: a theoretical
 arrival time moved on by one interval per call, with BURST_S of slack so a
@@ -24,6 +28,7 @@ Runs on the LLM loop's thread, like the limiter that owns it: no locks.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 AIM = 0.98  # the share of the stated rate aimed at
@@ -32,6 +37,9 @@ AIM_STEP = 0.01  # a window of successes: aim this much higher again (up to AIM)
 AIM_FLOOR = 0.5  # however many episodes, never below half the stated rate
 BURST_S = 0.1  # a call may start this far ahead of its even spacing
 ESTIMATES = 32  # readings of the refill rate kept; the rate is their least
+MAX_WINDOW_S = 120.0  # a window that takes longer to refill is not a rate to pace on (a
+# daily quota stated as the requests limit, a fixed window read early, a Unix time as reset)
+MAX_INTERVAL_S = 60.0  # calls are never spaced further apart than this
 
 
 class RatePacer:
@@ -49,9 +57,12 @@ class RatePacer:
         `error_s`: how much earlier than `reset_s` the window may be full."""
         if limit is None or left is None or reset_s is None or left >= limit:
             return  # a full window, or no reset: says nothing of the rate
-        if reset_s - error_s <= 0:
+        refill_s = reset_s - error_s
+        if not math.isfinite(refill_s) or refill_s <= 0:
             return  # too coarse to say
-        self._readings.append((limit - left) / (reset_s - error_s))
+        if refill_s * limit / (limit - left) > MAX_WINDOW_S:
+            return  # the whole window would take longer than a rate to pace on
+        self._readings.append((limit - left) / refill_s)
         self.rate = min(self._readings)
 
     def restart(self) -> None:
@@ -59,11 +70,13 @@ class RatePacer:
         rate stays until the next reading replaces it, so a raise is not
         held back by 32 readings of the old, lower rate)."""
         self._readings.clear()
+        self._next = 0.0
 
     def forget(self) -> None:
         """The provider stopped stating its window: no pacing until it does again."""
         self._readings.clear()
         self.rate = None
+        self._next = 0.0
 
     def ready(self, now: float) -> bool:
         return self.rate is None or now >= self._next - BURST_S
@@ -75,7 +88,7 @@ class RatePacer:
     def took(self, now: float) -> None:
         """A call started: the next one is due an interval later."""
         if self.rate is not None:
-            self._next = max(self._next, now) + 1.0 / (self.rate * self.aim)
+            self._next = max(self._next, now) + min(MAX_INTERVAL_S, 1.0 / (self.rate * self.aim))
 
     def rate_limited(self) -> None:
         """A 429 episode although paced: aim lower."""
