@@ -10,7 +10,14 @@ import pytest
 
 from skilltrain.daemon.commands.tail_format import _f_llm_limit_changed
 from skilltrain.daemon.infra.llm_limit import Limiter
-from skilltrain.daemon.infra.llm_pace import AIM, AIM_FLOOR, BURST_S, RatePacer
+from skilltrain.daemon.infra.llm_pace import (
+    AIM,
+    AIM_FLOOR,
+    AIM_STEP,
+    AIM_STEP_S,
+    BURST_S,
+    RatePacer,
+)
 from tests.test_llm_limit import limiter, run
 
 
@@ -62,10 +69,15 @@ def test_calls_start_evenly_spaced_at_the_aim_with_a_little_slack() -> None:
 def test_a_429_episode_lowers_the_aim_and_successes_bring_it_back() -> None:
     pace = RatePacer()
     for _ in range(40):
-        pace.rate_limited()
+        pace.rate_limited(0.0, new_episode=True)
     assert pace.aim == AIM_FLOOR
-    for _ in range(100):
-        pace.succeeded()
+    pace.rate_limited(10.0, new_episode=False)  # a 429 of the same episode: no lower
+    assert pace.aim == AIM_FLOOR
+    pace.succeeded(11.0)
+    assert pace.aim == AIM_FLOOR  # a second of successes: not yet
+    pace.succeeded(10.0 + AIM_STEP_S * 10)  # by time, not by calls: a slow endpoint too
+    assert pace.aim == pytest.approx(AIM_FLOOR + 10 * AIM_STEP)
+    pace.succeeded(10.0 + AIM_STEP_S * 100)
     assert pace.aim == AIM
 
     async def scenario() -> None:

@@ -261,12 +261,12 @@ class Limiter:
 
     # ------------------------------------------------------------- the limit
     def _grow(self) -> None:
+        self.pace.succeeded(self.clock())
         self._successes += 1
         if self._successes < self.limit:
             return
         used = self._peak >= self.limit
         self._successes, self._peak = 0, self.in_flight + len(self._waiters)
-        self.pace.succeeded()
         if not used or self.limit >= self.ceiling:
             return
         new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
@@ -278,13 +278,14 @@ class Limiter:
             self._hold(retry_after_s, "Retry-After")
         now = self.clock()
         recent = self._cut_at is not None and now - self._cut_at < EPISODE_S
-        if generation != self.generation or recent:
-            return  # admitted under a limit already cut, or just after it: the same episode
+        same_episode = generation != self.generation or recent
+        if self.pace.rate is not None:
+            self.pace.rate_limited(now, new_episode=not same_episode)
+        if same_episode:
+            return  # admitted under a limit already cut, or just after it
         self.generation += 1
         self._successes = 0
         self._cut_at = now
-        if self.pace.rate is not None:
-            self.pace.rate_limited()
         self._set(max(self.floor, min(self.limit - 1, int(self.limit * CUT))), "rate limited")
 
     def _set(self, new: int, reason: str, **extra: Any) -> None:

@@ -20,9 +20,11 @@ Calls then start one every 1 / (rate x aim) seconds (GCRA: a theoretical
 arrival time moved on by one interval per call, with BURST_S of slack so a
 timer's lateness is not lost). `aim` starts at AIM, just under the limit; a
 429 episode while paced lowers it by AIM_CUT (the readings were too high, or
-another client shares the key), and each window of successes brings it back
-up by AIM_STEP. Aiming at the limit itself, rather than at a margin below it,
-is what reaches the rate the provider sells (issue 36: 84-88 % before).
+another client shares the key), and successes bring it back up by AIM_STEP
+for every AIM_STEP_S since the last 429 (by time, not by calls: a slow
+endpoint recovers as fast as a quick one). Aiming at the limit itself, rather
+than at a margin below it, is what reaches the rate the provider sells
+(issue 36: 84-88 % before).
 
 Runs on the LLM loop's thread, like the limiter that owns it: no locks.
 """
@@ -33,7 +35,8 @@ from collections import deque
 
 AIM = 0.98  # the share of the stated rate aimed at
 AIM_CUT = 0.9  # a rate-limit episode while paced: aim this much lower
-AIM_STEP = 0.01  # a window of successes: aim this much higher again (up to AIM)
+AIM_STEP = 0.01  # aim this much higher again (up to AIM) for every AIM_STEP_S of successes
+AIM_STEP_S = 2.0  # with no 429: from 0.71 (three cuts) back to 0.98 in about a minute, at any rate
 AIM_FLOOR = 0.5  # however many episodes, never below half the stated rate
 BURST_S = 0.1  # a call may start this far ahead of its even spacing
 ESTIMATES = 32  # readings of the refill rate kept; the rate is their least
@@ -50,6 +53,7 @@ class RatePacer:
         self.aim = AIM
         self._readings: deque[float] = deque(maxlen=ESTIMATES)
         self._next = 0.0  # when the next call is due (the clock of the limiter)
+        self._grown_at = 0.0  # since when successes count towards the aim
 
     def observe(self, limit: int | None, left: int | None, reset_s: float | None,
                 error_s: float = 0.0) -> None:
@@ -90,10 +94,19 @@ class RatePacer:
         if self.rate is not None:
             self._next = max(self._next, now) + min(MAX_INTERVAL_S, 1.0 / (self.rate * self.aim))
 
-    def rate_limited(self) -> None:
-        """A 429 episode although paced: aim lower."""
-        self.aim = max(AIM_FLOOR, self.aim * AIM_CUT)
+    def rate_limited(self, now: float, *, new_episode: bool) -> None:
+        """A 429 although paced: the aim grows back from now; a new episode's
+        first 429 also aims lower."""
+        if new_episode:
+            self.aim = max(AIM_FLOOR, self.aim * AIM_CUT)
+        self._grown_at = now
 
-    def succeeded(self) -> None:
-        """A window of successes: aim back towards the limit."""
-        self.aim = min(AIM, self.aim + AIM_STEP)
+    def succeeded(self, now: float) -> None:
+        """A success: AIM_STEP more aim for every AIM_STEP_S since the last 429."""
+        if self.aim >= AIM:
+            self._grown_at = now
+            return
+        steps = int((now - self._grown_at) / AIM_STEP_S)
+        if steps > 0:
+            self.aim = min(AIM, self.aim + steps * AIM_STEP)
+            self._grown_at += steps * AIM_STEP_S
