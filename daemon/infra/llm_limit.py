@@ -382,7 +382,6 @@ class Limiter:
                 self._hold(refill_s(window.tokens_reset_s, window.tokens_limit,
                                      window.tokens_left, need), "tokens nearly spent")
 
-
     def _observe_rate(self, window: RateWindow) -> None:
         """One more reading of the stated refill rate; the first one ends slow start:
         the pacing keeps the provider's rate, the calls-at-once limit is a cap."""

@@ -62,5 +62,5 @@ class Prober:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._task is not None and self._task is not asyncio.current_task():
+        if self._task is not None:  # never the probe's own task: it clears this first
             self._task.cancel()
