@@ -285,3 +285,22 @@ def test_a_result_already_written_is_not_written_again(
     assert ws.sidecar(sets[0]).stat().st_mtime_ns == written
     assert ws.events("batch.completed")[-1]["written_before"] == 1
     assert server.creates == 1 and len(server.billed) == 1
+
+
+def test_a_record_once_closed_is_not_written_back_by_a_result_handled_late(
+        tmp_path: Path, server: BatchServer, start: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two results end on two threads: the last one closes the record; the other
+    one's save, a moment later, must not write it back (a kill then would leave
+    a closed batch's record, or its temp file, behind)."""
+    from skilltrain.daemon.service import batch_store
+
+    closed: list[batch_store.BatchRecord] = []
+    remove = batch_store.remove
+    monkeypatch.setattr(batch_store, "remove",
+                        lambda runs, rec: (closed.append(rec), remove(runs, rec))[1])
+    ws = workspace(tmp_path, server)
+    ws.write_step("r1", 0, 0, works=["beta"], success=True)
+    d = start(ws)
+    wait_until(lambda: closed and not records(ws), 60, message="the record closed")
+    d.daemon.batcher.results.save(closed[0])  # what the slower thread does next
+    assert not records(ws) and not ws.temp_files()

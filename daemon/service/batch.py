@@ -241,7 +241,11 @@ class Batcher:
 
     def _save(self, rec: BatchRecord) -> None:
         with self._lock:
-            batch_store.save(self.runs, rec)
+            # Only a record still open: a result handled a moment after another
+            # thread closed the record would write it back, and a kill then
+            # leaves a closed batch's record (or its temp file) on disk.
+            if rec.key in self._records:
+                batch_store.save(self.runs, rec)
 
     def _closed(self, rec: BatchRecord) -> None:
         with self._lock:
