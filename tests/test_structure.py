@@ -184,7 +184,7 @@ def test_no_part_of_the_service_assigns_another_parts_attribute() -> None:
 # the only other writers, each for a reason (module -> calls it may make).
 WRITERS: dict[str, set[str]] = {
     # the primitive under sealed_write (temp file, fsync, rename)
-    "daemon/core/atomic.py": {"os.open", "replace", "write_all"},
+    "daemon/core/atomic.py": {"mkstemp", "fdopen", "replace", "write_all"},
     # the state database: its rows are checked against every key by
     # daemon/infra/state.py before they reach it; a bad one is moved aside
     "daemon/core/state_db.py": {"sqlite3.connect", "os.open", "rename"},
