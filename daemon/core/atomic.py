@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -34,15 +34,18 @@ def write_all(files: Mapping[Path, str | bytes]) -> None:
     seen and the set is redone.
     """
     temps: list[tuple[str, Path]] = []
+    mode = 0o666 & ~_umask()  # mkstemp makes 0600; the umask decides
     try:
         for path, text in files.items():
-            fd, tmp = _temp_beside(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", suffix=".tmp",
+                                       dir=path.parent)
             temps.append((tmp, path))
-            try:  # os.write, not a file object: no fstat, isatty and lseek of its own
-                _write_fully(fd, text.encode("utf-8") if isinstance(text, str) else text)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(text.encode("utf-8") if isinstance(text, str) else text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
     except BaseException:
         for tmp, _ in temps:
             with contextlib.suppress(FileNotFoundError):
@@ -62,26 +65,17 @@ def write_all(files: Mapping[Path, str | bytes]) -> None:
         fsync_dir(directory)
 
 
-def _write_fully(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _temp_beside(path: Path) -> tuple[int, str]:
-    """A new temp file in `path`'s folder, its mode 0666 less the umask (as any
-    file the daemon makes; the kernel applies the umask, so it is never read),
-    the folder made first when missing (asked only then: each question is a
-    system call, and the folder nearly always exists)."""
-    for _ in range(100):
-        tmp = str(path.parent / f"{TEMP_PREFIX}{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
-        except FileExistsError:
-            continue
-        except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-    raise FileExistsError(f"no free temp name beside {path}")
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would change it for
+    every thread for an instant)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def fsync_dir(directory: Path) -> None:
