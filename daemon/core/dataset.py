@@ -85,166 +85,39 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     in this directory (data/: a writer's link to the answer key).
     `max_bytes`: refuse a larger file before reading it into memory.
     """
-    bounds = _Bounds.of(confine_to, answer_key)
-    with _Opened(path, label, bounds) as opened:
-        return opened.text(max_bytes)
-
-
-@dataclass(frozen=True)
-class _Bounds:
-    """Where an episode may lie: inside `root`, outside `answer_key`, with
-    their real paths resolved once for a whole range (each resolution stats
-    every component of the path: ~10 system calls)."""
-
-    root: Path | None
-    answer_key: Path | None
-    real_root: str | None
-    real_key: str | None
-
-    @classmethod
-    def of(cls, root: Path | None, answer_key: Path | None) -> _Bounds:
-        return cls(root, answer_key,
-                   os.path.realpath(root) if root is not None else None,
-                   os.path.realpath(answer_key) if answer_key is not None else None)
-
-    @property
-    def checked(self) -> bool:
-        return self.root is not None or self.answer_key is not None
-
-    def allows(self, real: str) -> bool:
-        return not ((self.real_key is not None and _is_within(real, self.real_key))
-                    or (self.real_root is not None and not _is_within(real, self.real_root)))
-
-
-class _Opened:
-    """One episode file, opened by where it really is, checked before a byte is read.
-
-    Linux: an O_PATH descriptor (no device is opened by it, no FIFO blocks)
-    says through /proc/self/fd which file the path reached and its fstat what
-    it is; only then is that same file opened for reading. Four system calls
-    where resolving the path component by component took about thirty, and
-    the file checked is the file read. Elsewhere: `confine` and a plain open.
-    Errors become RefusedError naming the file; a missing file says "missing".
-    """
-
-    def __init__(self, path: Path, label: str, bounds: _Bounds) -> None:
-        self.path, self.label, self.bounds = path, label, bounds
-        self.fd: int | None = None
-        try:
-            self.st = self._open()
-        except FileNotFoundError:
-            raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
-        except OSError as e:
-            self.close()
-            raise self._unreadable(e) from None
-        except BaseException:
-            self.close()
-            raise
-
-    def _open(self) -> os.stat_result:
-        path, bounds = self.path, self.bounds
-        nofollow = os.O_NOFOLLOW if bounds.root is None else 0
-        if not _O_PATH:
-            return self._open_portably()
-        try:
-            handle = os.open(path, _O_PATH | nofollow | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ELOOP and nofollow and os.path.islink(path):
-                raise self._symlink_out() from None
-            if bounds.root is not None and e.errno in (errno.ENOENT, errno.ELOOP) \
-                    and os.path.lexists(path):
-                confine(str(path), bounds.root, answer_key=bounds.answer_key, label=self.label)
-            raise
-        try:
-            st = os.fstat(handle)
-            if nofollow and stat.S_ISLNK(st.st_mode):  # O_PATH|O_NOFOLLOW opens the link
-                raise self._symlink_out()
-            if bounds.checked:
-                real = _real_path_of(handle, path)
-                if not bounds.allows(real):
-                    confine(str(path), bounds.root, answer_key=bounds.answer_key,
-                            label=self.label)  # says which link and why
-                    raise RefusedError(f"{self.label} {path} led out of where it may lie "
-                                       f"({real}) when it was opened; not followed")
-            if stat.S_ISREG(st.st_mode):
-                self.fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC)
-            return st
-        finally:
-            os.close(handle)
-
-    def _open_portably(self) -> os.stat_result:
-        path, bounds = self.path, self.bounds
-        st = os.lstat(path)
-        if bounds.root is None and stat.S_ISLNK(st.st_mode):
-            raise self._symlink_out()
-        if bounds.checked:
-            st = os.stat(confine(str(path), bounds.root, answer_key=bounds.answer_key,
-                                 label=self.label))
-        if stat.S_ISREG(st.st_mode):
-            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        return st
-
-    def _symlink_out(self) -> RefusedError:
-        return RefusedError(f"{self.label} {self.path} is a symlink out of its folder; "
-                            "not followed")
-
-    def _unreadable(self, e: OSError) -> RefusedError:
-        return RefusedError(f"{self.label} {self.path} cannot be read "
-                            f"({e.strerror or type(e).__name__})")
-
-    def text(self, max_bytes: int | None) -> str:
-        label, path, st = self.label, self.path, self.st
-        if self.fd is None or not stat.S_ISREG(st.st_mode):
-            raise RefusedError(f"{label} {path} is not a regular file")
-        if st.st_size == 0:
-            raise RefusedError(f"{label} {path} is empty (0 bytes)")
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise RefusedError(f"{label} {path} is {st.st_size:,} bytes, over the "
-                               f"{max_bytes:,}-byte limit the model's context window allows")
-        try:
-            data = _read_to_end(self.fd, st.st_size)
-        except OSError as e:
-            raise self._unreadable(e) from None
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RefusedError(f"{label} {path} is not valid UTF-8 (byte {e.start})") from None
-        if not text.strip():
-            raise RefusedError(f"{label} {path} is empty (whitespace only)")
-        if problem := control_characters(text):
-            raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
-        return text
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self) -> _Opened:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-_O_PATH: int = getattr(os, "O_PATH", 0) if os.path.isdir("/proc/self/fd") else 0
-
-
-def _real_path_of(fd: int, path: Path) -> str:
-    """Where the open file really is (the kernel's own path of it)."""
     try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return os.path.realpath(path)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes)
+    except FileNotFoundError:
+        raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
+    except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise RefusedError(f"{label} {path} cannot be read ({reason})") from None
 
 
-def _read_to_end(fd: int, size: int) -> bytes:
-    """All of it, however it grew since its size was taken (the later hash
-    check then sees the change)."""
-    parts = []
-    while chunk := os.read(fd, max(size + 1, 65536)):
-        parts.append(chunk)
-    return b"".join(parts)
+def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
+                  max_bytes: int | None) -> str:
+    st = os.lstat(path)
+    if confine_to is None and stat.S_ISLNK(st.st_mode):
+        raise RefusedError(f"{label} {path} is a symlink out of its folder; not followed")
+    if confine_to is not None or answer_key is not None:
+        st = os.stat(confine(str(path), confine_to, answer_key=answer_key, label=label))
+    if not stat.S_ISREG(st.st_mode):
+        raise RefusedError(f"{label} {path} is not a regular file")
+    if st.st_size == 0:
+        raise RefusedError(f"{label} {path} is empty (0 bytes)")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise RefusedError(f"{label} {path} is {st.st_size:,} bytes, over the "
+                           f"{max_bytes:,}-byte limit the model's context window allows")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RefusedError(f"{label} {path} is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise RefusedError(f"{label} {path} is empty (whitespace only)")
+    if problem := control_characters(text):
+        raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
+    return text
 
 
 # C0 and C1 control characters and DEL, except tab, newline, carriage return
@@ -323,39 +196,25 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
     paths = [directory / episode_name(n) for n in numbers]
     if not any(os.path.lexists(p) for p in paths):
         raise RefusedError(f"no {label} episodes {first}-{last} in {directory}")
-    bounds = _Bounds.of(confine_to, answer_key)
-    opened: list[_Opened | RefusedError] = []
+    if max_bytes is not None:
+        sizes = {p: _size(p) for p in paths}
+        total = sum(sizes.values())
+        if total > max_bytes:
+            largest = max(sizes, key=lambda p: sizes[p])
+            raise RefusedError(
+                f"{label} episodes {first}-{last} in {directory} total {total:,} bytes, over "
+                f"the {max_bytes:,}-byte limit the model's context window allows "
+                f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
+    return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
+                            answer_key=answer_key, max_bytes=max_bytes)
+            for n, p in zip(numbers, paths, strict=True)}
+
+
+def _size(path: Path) -> int:
     try:
-        for p in paths:  # all opened first: the range's size is known before a read
-            try:
-                opened.append(_Opened(p, f"{label} episode", bounds))
-            except RefusedError as e:
-                opened.append(e)  # said in its turn, after the size
-        if max_bytes is not None:
-            _check_total(opened, paths, label, first, last, directory, max_bytes)
-        episodes = {}
-        for n, item in zip(numbers, opened, strict=True):
-            if isinstance(item, RefusedError):
-                raise item
-            episodes[n] = item.text(max_bytes)
-        return episodes
-    finally:
-        for item in opened:
-            if isinstance(item, _Opened):
-                item.close()
-
-
-def _check_total(opened: list[_Opened | RefusedError], paths: list[Path], label: str,
-                 first: int, last: int, directory: Path, max_bytes: int) -> None:
-    sizes = {p: item.st.st_size if isinstance(item, _Opened) else 0
-             for p, item in zip(paths, opened, strict=True)}
-    total = sum(sizes.values())
-    if total > max_bytes:
-        largest = max(sizes, key=lambda p: sizes[p])
-        raise RefusedError(
-            f"{label} episodes {first}-{last} in {directory} total {total:,} bytes, over "
-            f"the {max_bytes:,}-byte limit the model's context window allows "
-            f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
+        return path.stat().st_size
+    except (OSError, RuntimeError):
+        return 0  # read_episode will say what is wrong with it
 
 
 # human/ folder -> ((inode, mtime_ns), episode numbers) of its last listing.
