@@ -258,6 +258,8 @@ class Batcher:
     def _poll(self, rec: BatchRecord) -> None:
         key = rec.key
         with self._lock:
+            if key not in self._records:
+                return  # closed since it was found due
             interval = self._interval[key]
             self._interval[key] = min(interval * POLL_GROWTH, self.cfg.llm.batch_poll_max_s)
             self._next_poll[key] = self.clock() + interval
@@ -322,8 +324,9 @@ class Batcher:
                 self.emit("batch.error", level="warning", run=run, batch_id=rec.batch_id,
                           error=str(e))
             with self._lock:
-                self._next_poll[rec.key] = self.clock()
-                self._interval[rec.key] = self.cfg.llm.batch_poll_s
+                if rec.key in self._records:  # closed meanwhile: nothing to poll
+                    self._next_poll[rec.key] = self.clock()
+                    self._interval[rec.key] = self.cfg.llm.batch_poll_s
         self.emit("batch.cancel_requested", run=run, batches=len(records),
                   gathered=len(gathered), to="live" if live else "batch")
 
