@@ -244,6 +244,18 @@ def test_scrub_leaves_ordinary_text_alone() -> None:
     assert scrub(Path("/srv/runs/r7")) == "/srv/runs/r7"
 
 
+def test_a_value_scrubbed_before_its_key_was_configured_is_redacted_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Short strings' scrubbed text is kept (every line repeats them): a key set
+    # later must not be served the text kept from before it existed.
+    line = {"event": "llm.error", "reason": "refused key plain7value7late"}
+    assert scrub(line) == line
+    monkeypatch.setenv("SKILLTRAIN_LATE_API_KEY", "plain7value7late")
+    assert scrub(line)["reason"] == "refused key [redacted]"
+    monkeypatch.delenv("SKILLTRAIN_LATE_API_KEY")
+    assert scrub(line) == line
+
+
 @pytest.mark.parametrize(
     ("text", "secret"),
     [

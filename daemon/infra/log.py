@@ -149,6 +149,9 @@ _SEALED_MAX_ENTRIES = 4096
 _sealed: tuple[leakguard.AnswerKeys | None, dict[str, str]] = (None, {})
 
 
+_NUMBERS = frozenset({type(None), bool, int, float})
+
+
 def _seal_str(text: str, keys: leakguard.AnswerKeys) -> str:
     global _sealed
     if len(text) > _SEALED_MAX_CHARS:
@@ -166,6 +169,8 @@ def _seal_str(text: str, keys: leakguard.AnswerKeys) -> str:
 def _seal(value: Any, keys: leakguard.AnswerKeys) -> Any:
     if isinstance(value, str):
         return _seal_str(value, keys)
+    if type(value) in _NUMBERS:  # most other fields: no ABC check for them
+        return value
     if isinstance(value, Mapping):
         return {key: _seal(item, keys) for key, item in value.items()}
     if isinstance(value, list | tuple):
