@@ -9,6 +9,7 @@ The service's life itself (start, main loop, shutdown) is daemon/service/lifecyc
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -46,6 +47,7 @@ def main(config_path: Path | None, once: bool = False) -> int:
         e.logged = True
         daemon.abort_start()
         raise
+    _freeze_start_up_objects()
     if once:
         daemon.run_once()
         daemon.shutdown("once: idle")
@@ -57,6 +59,15 @@ def main(config_path: Path | None, once: bool = False) -> int:
     # partial), and litellm's exit handlers take seconds: end the process now.
     logging_flush()
     os._exit(int(daemon.exit_code))
+
+
+def _freeze_start_up_objects() -> None:
+    """litellm's import, the config and the first scan leave ~1 M objects that
+    live as long as the process, and every full collection walked them all
+    (~130 ms each, about one per 500 jobs). Frozen, a collection walks only
+    what is younger. Collected first, so that no garbage is frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 def _log_if_possible(cfg: config.Config, error: SkilltrainError) -> None:
