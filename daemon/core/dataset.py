@@ -108,6 +108,13 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     if max_bytes is not None and st.st_size > max_bytes:
         raise RefusedError(f"{label} {path} is {st.st_size:,} bytes, over the "
                            f"{max_bytes:,}-byte limit the model's context window allows")
+    # The answer key's own files (no confinement asked: data/, the operator's)
+    # are read again for every set of every step: kept while their identity
+    # holds. A writer's scripts are read afresh every time.
+    keep = confine_to is None and answer_key is None
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
+        return kept[1]
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -117,7 +124,32 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
         raise RefusedError(f"{label} {path} is empty (whitespace only)")
     if problem := control_characters(text):
         raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
+    if keep and len(data) == st.st_size and _racily_clean(st):
+        _keep_text(path, identity, text)
     return text
+
+
+# Episode path -> (its identity when read, the text it had): the answer key's
+# episodes, see _read_episode. Bounded by characters, emptied when full.
+_KEPT_MAX_CHARS = 64_000_000
+_kept_text: dict[Path, tuple[tuple[int, ...], str]] = {}
+_kept_chars = 0
+
+
+def _racily_clean(st: os.stat_result) -> bool:
+    """A file changed within the clock's tick may change again without its
+    mtime or ctime moving (as git treats "racily clean" files): not kept."""
+    return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_MTIME_NS
+
+
+def _keep_text(path: Path, identity: tuple[int, ...], text: str) -> None:
+    global _kept_chars
+    if _kept_chars + len(text) > _KEPT_MAX_CHARS:
+        _kept_text.clear()
+        _kept_chars = 0
+    previous = _kept_text.get(path)
+    _kept_text[path] = (identity, text)
+    _kept_chars += len(text) - (len(previous[1]) if previous else 0)
 
 
 # C0 and C1 control characters and DEL, except tab, newline, carriage return

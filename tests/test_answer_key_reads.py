@@ -1,0 +1,105 @@
+"""The answer key's episodes are read once per content, not once per set:
+kept while their identity (inode, size, mtime, ctime) holds, never while
+racily clean, and never for a writer's scripts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from daemon.core import dataset
+
+TEXT = "INT. KITCHEN - NIGHT\n\nANNA stirs the soup.\n"
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every file whose bytes are read."""
+    seen: list[Path] = []
+    real = Path.read_bytes
+
+    def counting(self: Path) -> bytes:
+        seen.append(self)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counting)
+    dataset._kept_text.clear()
+    return seen
+
+
+@pytest.fixture
+def settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files count as changed long ago (the racy window is made empty)."""
+    monkeypatch.setattr(dataset, "RACY_MTIME_NS", -10**12)
+
+
+def _episode(tmp_path: Path, text: str = TEXT) -> Path:
+    path = tmp_path / "human" / "ep01.txt"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_a_settled_key_episode_is_read_once(tmp_path: Path, reads: list[Path],
+                                            settled: None) -> None:
+    path = _episode(tmp_path)
+    for _ in range(3):
+        assert dataset.read_episode(path, label="human episode") == TEXT
+    assert reads == [path]
+
+
+def test_a_key_episode_edited_in_place_is_read_again_even_with_size_and_mtime_kept(
+        tmp_path: Path, reads: list[Path], settled: None) -> None:
+    path = _episode(tmp_path)
+    assert dataset.read_episode(path, label="human episode") == TEXT
+    before = path.stat()
+    edited = TEXT.replace("soup", "stew")
+    assert len(edited) == len(TEXT)
+    path.write_text(edited, encoding="utf-8")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # ctime still moves
+    assert dataset.read_episode(path, label="human episode") == edited
+    assert len(reads) == 2
+
+
+def test_a_key_episode_replaced_by_rename_is_read_again(tmp_path: Path, reads: list[Path],
+                                                        settled: None) -> None:
+    path = _episode(tmp_path)
+    dataset.read_episode(path, label="human episode")
+    other = tmp_path / "new.txt"
+    other.write_text(TEXT.upper(), encoding="utf-8")
+    other.replace(path)
+    assert dataset.read_episode(path, label="human episode") == TEXT.upper()
+
+
+def test_a_just_written_key_episode_is_not_kept(tmp_path: Path, reads: list[Path]) -> None:
+    # Within the clock's tick a second write may leave size, mtime and ctime as
+    # they were: a file changed in the last RACY_MTIME_NS is read every time.
+    path = _episode(tmp_path)
+    dataset.read_episode(path, label="human episode")
+    dataset.read_episode(path, label="human episode")
+    assert reads == [path, path]
+
+
+def test_a_writers_script_is_read_every_time(tmp_path: Path, reads: list[Path],
+                                            settled: None) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    path = scripts / "ep01.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    for _ in range(2):
+        dataset.read_episode(path, label="model episode", confine_to=scripts,
+                             answer_key=tmp_path / "human")
+    assert reads == [path, path]
+
+
+def test_a_kept_episode_still_refuses_what_it_would_refuse(tmp_path: Path, reads: list[Path],
+                                                           settled: None) -> None:
+    path = _episode(tmp_path)
+    dataset.read_episode(path, label="human episode")
+    with pytest.raises(dataset.RefusedError, match="limit"):
+        dataset.read_episode(path, label="human episode", max_bytes=len(TEXT) - 1)
+    path.unlink()
+    with pytest.raises(dataset.RefusedError, match="missing"):
+        dataset.read_episode(path, label="human episode")
