@@ -124,7 +124,8 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
         raise RefusedError(f"{label} {path} is empty (whitespace only)")
     if problem := control_characters(text):
         raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
-    if keep and len(data) == st.st_size and _racily_clean(st):
+    if (keep and len(data) == st.st_size
+            and not racily_clean(max(st.st_mtime_ns, st.st_ctime_ns))):
         _keep_text(path, identity, text)
     return text
 
@@ -133,23 +134,15 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
 # episodes, see _read_episode. Bounded by characters, emptied when full.
 _KEPT_MAX_CHARS = 64_000_000
 _kept_text: dict[Path, tuple[tuple[int, ...], str]] = {}
-_kept_chars = 0
-
-
-def _racily_clean(st: os.stat_result) -> bool:
-    """A file changed within the clock's tick may change again without its
-    mtime or ctime moving (as git treats "racily clean" files): not kept."""
-    return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_MTIME_NS
 
 
 def _keep_text(path: Path, identity: tuple[int, ...], text: str) -> None:
-    global _kept_chars
-    if _kept_chars + len(text) > _KEPT_MAX_CHARS:
+    # Summed, not counted: a text is kept once per content, and two pool
+    # threads keeping at once cannot make a sum drift as a counter would.
+    kept = sum(len(other) for _, other in list(_kept_text.values()))
+    if kept + len(text) > _KEPT_MAX_CHARS:
         _kept_text.clear()
-        _kept_chars = 0
-    previous = _kept_text.get(path)
     _kept_text[path] = (identity, text)
-    _kept_chars += len(text) - (len(previous[1]) if previous else 0)
 
 
 # C0 and C1 control characters and DEL, except tab, newline, carriage return
@@ -251,6 +244,15 @@ def _size(path: Path) -> int:
 
 # human/ folder -> ((inode, mtime_ns), episode numbers) of its last listing.
 RACY_MTIME_NS = 2_000_000_000
+
+
+def racily_clean(changed_ns: int) -> bool:
+    """Whether what changed at `changed_ns` (an mtime or ctime) changed too
+    recently to be trusted by its stat: within the clock's tick it may change
+    again with the same size and times (as git treats "racily clean" files)."""
+    return time.time_ns() - changed_ns <= RACY_MTIME_NS
+
+
 _human_listing: dict[Path, tuple[tuple[int, int], tuple[int, ...]]] = {}
 
 
@@ -283,10 +285,7 @@ class Work:
             return list(cached[1])
         numbers = (episode_number(entry.name) for entry in os.scandir(self.human_dir))
         found = sorted(n for n in numbers if n is not None)
-        if time.time_ns() - st.st_mtime_ns > RACY_MTIME_NS:
-            # A folder changed a moment ago may change again within the
-            # clock's tick without its mtime moving: not cached yet (as git
-            # treats "racily clean" files).
+        if not racily_clean(st.st_mtime_ns):
             _human_listing[self.human_dir] = (seen, tuple(found))
         return found
 

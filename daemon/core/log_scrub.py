@@ -14,6 +14,8 @@ from typing import Any
 
 from structlog.typing import EventDict, WrappedLogger
 
+from .short_memo import NO_TEXT_TYPES, ShortStringMemo
+
 REDACTED = "[redacted]"
 
 # Field names whose value is a credential whatever it looks like. Anchored at the
@@ -76,27 +78,14 @@ def _env_secrets() -> list[str]:
     return secrets
 
 
-# Short strings repeat on every line (event, run, work, range, logger names),
-# and each line is scrubbed twice (log.py: the structlog chain, then the
-# formatter): their scrubbed text is kept, per list of configured keys. One
-# search of _ANY_SECRET_SHAPE costs ~3 us; a line has a dozen strings.
-_SCRUBBED_MAX_CHARS = 200
-_SCRUBBED_MAX_ENTRIES = 4096
-_scrubbed: tuple[list[str] | None, dict[str, str]] = (None, {})
+# Each line is scrubbed twice (log.py: the structlog chain, then the
+# formatter), and one search of _ANY_SECRET_SHAPE costs ~3 us: a dozen
+# strings a line. The result depends on the configured keys' values.
+_scrubbed = ShortStringMemo(max_chars=200, max_entries=4096)
 
 
 def _scrub_str(text: str, env_secrets: list[str]) -> str:
-    global _scrubbed
-    if len(text) > _SCRUBBED_MAX_CHARS:
-        return _scrub_uncached(text, env_secrets)
-    owner, seen = _scrubbed
-    if owner != env_secrets or len(seen) >= _SCRUBBED_MAX_ENTRIES:
-        seen = {}
-        _scrubbed = (env_secrets, seen)
-    scrubbed = seen.get(text)
-    if scrubbed is None:
-        scrubbed = seen[text] = _scrub_uncached(text, env_secrets)
-    return scrubbed
+    return _scrubbed.get(text, env_secrets, _scrub_uncached)
 
 
 def _scrub_uncached(text: str, env_secrets: list[str]) -> str:
@@ -115,14 +104,11 @@ def _is_secret_field(name: str) -> bool:
     return bool(_SECRET_FIELD.search(name.lower().replace("-", "_")))
 
 
-_PLAIN = frozenset({type(None), bool, int, float})
-
-
 def _scrub_value(value: Any, env_secrets: list[str]) -> Any:
     kind = type(value)  # most fields: exact types, the cheapest tests first
     if kind is str:
         return _scrub_str(value, env_secrets)
-    if kind in _PLAIN or isinstance(value, bool | int | float):
+    if kind in NO_TEXT_TYPES or isinstance(value, bool | int | float):
         return value
     if isinstance(value, str):
         return _scrub_str(value, env_secrets)

@@ -109,7 +109,7 @@ def _signature(data_root: Path) -> tuple[Signature, bool]:
             entries.append((f"{work.name}/{entry.name}", st.st_size, st.st_mtime_ns,
                             st.st_ctime_ns, st.st_ino))
             newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
-    return tuple(entries), time.time_ns() - newest < dataset.RACY_MTIME_NS
+    return tuple(entries), dataset.racily_clean(newest)
 
 
 def _read_works(data_root: Path) -> dict[str, dict[int, str]]:

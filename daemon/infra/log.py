@@ -45,6 +45,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 from ..core.dataset import format_range
 from ..core.log_scrub import scrub, scrub_secrets
+from ..core.short_memo import NO_TEXT_TYPES, ShortStringMemo
 from ..guard import leakguard
 
 __all__ = [
@@ -142,34 +143,23 @@ def _withhold_library_records(_logger: WrappedLogger, _name: str,
     }
 
 
-# Short strings repeat on every line (run, work, range, event and logger
-# names): their sealed text is kept, per set of answer keys.
-_SEALED_MAX_CHARS = 120
-_SEALED_MAX_ENTRIES = 4096
-_sealed: tuple[leakguard.AnswerKeys | None, dict[str, str]] = (None, {})
-
-
-_NUMBERS = frozenset({type(None), bool, int, float})
+# Short strings repeat on every line: their sealed text is kept, per set of
+# answer keys.
+_sealed = ShortStringMemo(max_chars=120, max_entries=4096)
 
 
 def _seal_str(text: str, keys: leakguard.AnswerKeys) -> str:
-    global _sealed
-    if len(text) > _SEALED_MAX_CHARS:
-        return keys.clean(text)
-    owner, seen = _sealed
-    if owner is not keys or len(seen) >= _SEALED_MAX_ENTRIES:
-        seen = {}
-        _sealed = (keys, seen)
-    sealed = seen.get(text)
-    if sealed is None:
-        sealed = seen[text] = keys.clean(text)
-    return sealed
+    return _sealed.get(text, keys, _clean)
+
+
+def _clean(text: str, keys: leakguard.AnswerKeys) -> str:
+    return keys.clean(text)
 
 
 def _seal(value: Any, keys: leakguard.AnswerKeys) -> Any:
     if isinstance(value, str):
         return _seal_str(value, keys)
-    if type(value) in _NUMBERS:  # most other fields: no ABC check for them
+    if type(value) in NO_TEXT_TYPES:  # most other fields: no ABC check for them
         return value
     if isinstance(value, Mapping):
         return {key: _seal(item, keys) for key, item in value.items()}

@@ -1,0 +1,35 @@
+"""A memo for a text function applied to the short strings every log line
+repeats (event, run, work, range and logger names, paths): kept per owner,
+the thing the result depends on (the configured keys, the answer keys), and
+emptied when the owner changes or the memo is full. Long strings are not kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+Owner = TypeVar("Owner")
+
+# Field types that carry no text: nothing to scrub or seal in them.
+NO_TEXT_TYPES = frozenset({type(None), bool, int, float})
+
+
+class ShortStringMemo:
+    def __init__(self, max_chars: int, max_entries: int) -> None:
+        self.max_chars, self.max_entries = max_chars, max_entries
+        # One tuple, swapped whole: threads logging at once see a consistent pair.
+        self._held: tuple[Any, dict[str, str]] = (None, {})
+
+    def get(self, text: str, owner: Owner, compute: Callable[[str, Owner], str]) -> str:
+        """compute(text, owner), from the memo when `text` was seen under an equal owner."""
+        if len(text) > self.max_chars:
+            return compute(text, owner)
+        held, seen = self._held
+        if held != owner or len(seen) >= self.max_entries:
+            seen = {}
+            self._held = (owner, seen)
+        result = seen.get(text)
+        if result is None:
+            result = seen[text] = compute(text, owner)
+        return result
