@@ -76,7 +76,8 @@ def _range_digest(hashes: Mapping[int, str]) -> str:
 
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
-                 answer_key: Path | None = None, max_bytes: int | None = None) -> str:
+                 answer_key: Path | None = None, max_bytes: int | None = None,
+                 folder_confined: bool = False) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: the file's real path must stay inside this directory (a
@@ -84,9 +85,11 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     itself must not be a symlink. `answer_key`: the real path must not lie
     in this directory (data/: a writer's link to the answer key).
     `max_bytes`: refuse a larger file before reading it into memory.
+    `folder_confined`: the caller confined path's folder (read_range, once for
+    the range), so only a link at the file itself needs confining.
     """
     try:
-        return _read_episode(path, label, confine_to, answer_key, max_bytes)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_confined)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
     except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
@@ -95,11 +98,14 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 
 
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
-                  max_bytes: int | None) -> str:
+                  max_bytes: int | None, folder_confined: bool) -> str:
     st = os.lstat(path)
-    if confine_to is None and stat.S_ISLNK(st.st_mode):
+    link = stat.S_ISLNK(st.st_mode)
+    if confine_to is None and link:
         raise RefusedError(f"{label} {path} is a symlink out of its folder; not followed")
-    if confine_to is not None or answer_key is not None:
+    # Not a link, in a confined folder: its real path is the folder's plus its
+    # name, so the walk of every component (a dozen lstats) proves nothing new.
+    if (confine_to is not None or answer_key is not None) and (link or not folder_confined):
         st = os.stat(confine(str(path), confine_to, answer_key=answer_key, label=label))
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
@@ -115,7 +121,7 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
         return kept[1]
-    data = path.read_bytes()
+    data = _read_bytes(path, st.st_size)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -134,6 +140,20 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
 # episodes, see _read_episode. Bounded by characters, emptied when full.
 _KEPT_MAX_CHARS = 64_000_000
 _kept_text: dict[Path, tuple[tuple[int, ...], str]] = {}
+
+
+def _read_bytes(path: Path, size: int) -> bytes:
+    """The whole file, by descriptor: open, read, close (Path.read_bytes adds
+    an fstat, an ioctl and an lseek). `size`: what stat said, a first guess."""
+    # Non-blocking: a FIFO swapped in since the stat reads as empty, not forever.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        chunks = [os.read(fd, size + 1)]
+        while chunks[-1]:  # grown since the stat: read on to the end
+            chunks.append(os.read(fd, max(size, 65536)))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _keep_text(path: Path, identity: tuple[int, ...], text: str) -> None:
@@ -230,8 +250,18 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
                 f"{label} episodes {first}-{last} in {directory} total {total:,} bytes, over "
                 f"the {max_bytes:,}-byte limit the model's context window allows "
                 f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
+    folder_confined = False
+    if confine_to is not None:
+        # The folder once for the range. Its refusal names the same link a
+        # file's would: the first on the way down from confine_to.
+        try:
+            confine(str(directory), confine_to, answer_key=answer_key, label=f"{label} episode")
+            folder_confined = True
+        except FileNotFoundError:
+            pass  # each episode is then "missing", as read_episode says
     return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
-                            answer_key=answer_key, max_bytes=max_bytes)
+                            answer_key=answer_key, max_bytes=max_bytes,
+                            folder_confined=folder_confined)
             for n, p in zip(numbers, paths, strict=True)}
 
 
