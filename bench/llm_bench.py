@@ -122,14 +122,26 @@ def write_config(ws: db.Workspace, api_base: str, model: str, concurrency: int |
     ws.config.write_text(text.replace(f'"{db.MODEL}"', f'"{model}"'), encoding="utf-8")
 
 
+def filesystem_of(path: Path) -> str:
+    """The mount holding `path`, as /proc/mounts has it: "ext4 on /dev/vda (rw,...)"."""
+    best = ("?", "?", "?", "")
+    real = str(path.resolve())
+    for line in Path("/proc/mounts").read_text().splitlines():
+        device, mount, kind, options = line.split()[:4]
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best[3]):
+            best = (kind, device, options, mount)
+    return f"{best[0]} on {best[1]} ({best[2]})"
+
+
 def daemon_run(sets: int, concurrency: int, model: str,
-               per_step: int = db.SETS_PER_STEP) -> dict[str, Any]:
+               per_step: int = db.SETS_PER_STEP, base: Path | None = None) -> dict[str, Any]:
     """`daemon --once` over `sets` sets, `per_step` a step: the whole process's CPU
     (rusage of the child), its wall from the first request to the last
     loss.completed, threads."""
     server = LLMServer(latency=(LATENCY_S, LATENCY_S)).start()
     try:
-        with db.workspace("llmcpu") as ws:
+        with db.workspace("llmcpu", base=base) as ws:
             total = len(db.throughput_workspace(ws, sets, server.url, concurrency=concurrency,
                                                 per_step=per_step))
             write_config(ws, server.url, model, concurrency)
@@ -157,14 +169,14 @@ def daemon_run(sets: int, concurrency: int, model: str,
 
 
 def per_job(sets: int, concurrency: int, model: str,
-            per_step: int = db.SETS_PER_STEP) -> dict[str, Any]:
+            per_step: int = db.SETS_PER_STEP, base: Path | None = None) -> dict[str, Any]:
     """CPU per job: (the N-set run - a one-step run) / (the jobs between them): the
     start-up (litellm's import, the scan) cancels out, as issue 22 measured it."""
-    base = daemon_run(1, concurrency, model, per_step)  # one step: its sets
-    many = daemon_run(sets, concurrency, model, per_step)
-    jobs = many["jobs"] - base["jobs"]
-    return {**many, "cpu_ms": (many["cpu_s"] - base["cpu_s"]) * 1000 / jobs,
-            "sys_ms": (many["sys_s"] - base["sys_s"]) * 1000 / jobs}
+    one = daemon_run(1, concurrency, model, per_step, base)  # one step: its sets
+    many = daemon_run(sets, concurrency, model, per_step, base)
+    jobs = many["jobs"] - one["jobs"]
+    return {**many, "cpu_ms": (many["cpu_s"] - one["cpu_s"]) * 1000 / jobs,
+            "sys_ms": (many["sys_s"] - one["sys_s"]) * 1000 / jobs}
 
 
 def bare_run(messages: list[dict[str, Any]], sets: int, concurrency: int,
@@ -184,12 +196,14 @@ def bare_run(messages: list[dict[str, Any]], sets: int, concurrency: int,
 
 
 def bench_cpu(sets: int, concurrency: int, thread_sets: int,
-              step_sizes: list[int]) -> list[db.Row]:
+              step_sizes: list[int], base: Path | None = None) -> list[db.Row]:
+    where = base or Path(tempfile.gettempdir())
     db.say(f"cpu: {sets} sets, concurrency {concurrency}, loopback {LATENCY_S} s, "
            f"steps of {step_sizes} sets, load {db.loadavg()}")
+    db.say(f"workspaces under {where}: {filesystem_of(where)}")
     rows: list[db.Row] = []
     for model, per_step in [(m, n) for n in step_sizes for m in (PRICED, UNKNOWN)]:
-        d = per_job(sets, concurrency, model, per_step)
+        d = per_job(sets, concurrency, model, per_step, base)
         b = bare_run(d["messages"], d["jobs"], concurrency, model)
         ratio = d["cpu_ms"] / b["cpu_ms"]
         limit = max(math.ceil(d["jobs"] / concurrency) * LATENCY_S, b["wall"])
@@ -209,7 +223,7 @@ def bench_cpu(sets: int, concurrency: int, thread_sets: int,
             db.Row("  daemon peak RSS (VmHWM)", f"{d['rss_mb']:.0f} MB"),
         ]
     if thread_sets:
-        d = per_job(thread_sets, 1024, UNKNOWN)
+        d = per_job(thread_sets, 1024, UNKNOWN, base=base)
         rows.append(db.Row(f"daemon peak threads (concurrency 1024, {d['jobs']} jobs)",
                            str(d["threads"]), "<= 16", d["threads"] <= 16))
         rows.append(db.Row("  CPU per job / peak RSS",
@@ -294,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="sets for the thread count at concurrency 1024 (0: skip)")
     parser.add_argument("--step-sets", default="2,64",
                         help="cpu: sets per step, comma-separated (each a run of its own)")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="cpu: make the workspaces under this folder (default: the "
+                             "temp dir); a file system of its own keeps earlier runs' "
+                             "deleted inodes out of the figure (bench/RESULTS.md, issue 36)")
     parser.add_argument("--rate", type=float, default=None,
                         help="R requests/s (limits: 40, compare: 20)")
     parser.add_argument("--latency", type=float, default=1.0, help="limits: seconds per reply")
@@ -303,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.which in ("cpu", "all"):
         steps = [int(n) for n in args.step_sets.split(",")]
         db.print_table("LLM path: CPU per job vs a bare acompletion loop",
-                       bench_cpu(args.sets or 512, args.concurrency, args.thread_sets, steps))
+                       bench_cpu(args.sets or 512, args.concurrency, args.thread_sets, steps,
+                                 args.base))
     if args.which in ("limits", "all"):
         modes = list(limits_bench.MODES) if args.mode == "all" else [args.mode]
         rows = limits_bench.bench_limits(args.sets or 600, args.rate or 40.0, args.latency,
