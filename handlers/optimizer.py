@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ..daemon.core.errors import ConfigError
+from ..daemon.infra import cpu
 
 PLACEHOLDERS = ("run", "epoch", "step", "reports_dir", "run_dir")
 Emit = Callable[..., None]  # emit(event_name, **fields)
@@ -83,10 +84,11 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = 
     """
     t0 = time.monotonic()
     try:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=cwd, text=True, errors="replace",
-                                start_new_session=True,
-                                env={**child_environment(), **(extra_env or {})})
+        with cpu.unpinned():  # the daemon's threads share one CPU; its children do not
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                    text=True, errors="replace", start_new_session=True,
+                                    env={**child_environment(), **(extra_env or {})})
     except OSError as e:
         return OptimizerResult(None, _ms(t0), f"cannot start {argv[0]!r}: {e.strerror}")
     assert proc.stdout is not None and proc.stderr is not None

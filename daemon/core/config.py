@@ -192,6 +192,10 @@ class DaemonConfig(_Section):
     # (unit skilltrain-NAME.service, its state dir and logrotate file);
     # `install-service` takes it from here, `status` and `tail` say it.
     instance: str | None = None
+    # Where the daemon's threads run (daemon/infra/cpu.py): "one" CPU, the one
+    # it starts on (they take turns on the GIL; on one core a turn costs less),
+    # a CPU by number, or "any" (the kernel spreads them). Children are not pinned.
+    cpu: Literal["one", "any"] | Annotated[int, Field(ge=0)] = "one"
 
     @field_validator("instance")
     @classmethod

@@ -48,7 +48,7 @@ from ..core.errors import ConfigError, ExitCode
 from ..core.lock import RunsLock
 from ..core.templates import PromptTemplates
 from ..guard import leakguard
-from ..infra import llm, llm_flex, llm_loop, log
+from ..infra import cpu, llm, llm_flex, llm_loop, log
 from ..infra.state import SetState, StateStore
 from . import metrics_runs
 from .batch import Batcher
@@ -77,11 +77,10 @@ class Daemon:
     """The service: builds its parts cheaply; `start()` and the rest run their life."""
 
     def __init__(self, cfg: config.Config, *, once: bool = False,
-                 runs_existed: bool | None = None) -> None:
-        self.cfg = cfg
+                 runs_existed: bool | None = None, pinned_cpu: int | None = None) -> None:
+        self.cfg, self.runs, self.once = cfg, cfg.paths.runs, once
+        self.pinned_cpu = pinned_cpu  # its threads' one CPU (process.py), None: not pinned
         self.runs_existed = runs_existed  # None: look at start()
-        self.runs = cfg.paths.runs
-        self.once = once
         self.log = log.get_logger("skilltrain.daemon")
         self.notifier = notify.Notifier.from_env(on_error=_warn_once(self.emit))
         self.clock = time.time  # wall clock: retry times are kept in the state
@@ -160,7 +159,7 @@ class Daemon:
         self.emit("daemon.started", pid=os.getpid(), version=_version(),
                   config=str(self.cfg.source), runs_dir=str(self.runs),
                   observer=self.cfg.watch.observer, concurrency=self.cfg.loss.concurrency,
-                  model=self.cfg.llm.model, once=self.once)
+                  model=self.cfg.llm.model, once=self.once, cpu=self.pinned_cpu)
         if not runs_existed:
             self.emit("daemon.runs_created", runs_dir=str(self.runs))
         # Temp files of writes a crash cut short: the state folder's now (it
@@ -459,6 +458,7 @@ def preflight(cfg: config.Config, *, once: bool = False) -> None:
                               "command is needed to write each step")
         writer.check_command(cfg.writer.command)
     llm.check_credentials(cfg.llm)
+    cpu.check(cfg.daemon.cpu)
     if why := llm_flex.check(cfg.llm):
         raise ConfigError(why)
     if cfg.llm.mode == "batch":

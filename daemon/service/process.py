@@ -18,7 +18,7 @@ from types import FrameType
 
 from ..core import config
 from ..core.errors import ConfigError, ExitCode, SkilltrainError
-from ..infra import log
+from ..infra import cpu, log
 from .lifecycle import Daemon, preflight
 
 
@@ -35,8 +35,10 @@ def main(config_path: Path | None, once: bool = False) -> int:
         _log_if_possible(cfg, e)
         raise
     runs_existed = cfg.paths.runs.is_dir()
+    # Before any thread is made: each inherits the CPU of the thread making it.
+    pinned = cpu.pin(cfg.daemon.cpu)
     log.configure(log_file=cfg.log.file, level=cfg.log.level)
-    daemon = Daemon(cfg, once=once, runs_existed=runs_existed)
+    daemon = Daemon(cfg, once=once, runs_existed=runs_existed, pinned_cpu=pinned)
     for note in cfg.renamed:
         daemon.emit("config.renamed", level="warning", note=note)
     _install_signal_handlers(daemon)
