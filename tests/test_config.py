@@ -189,8 +189,18 @@ def test_out_of_range_names_key_value_and_bound(
             '[integrity]\non_leak = "ignore"\n',
             "[integrity] on_leak = 'ignore': Input should be 'redact' or 'refuse'",
         ),
+        (
+            '[daemon]\ncpu = "two"\n',
+            "[daemon] cpu = 'two': Input should be 'one' or 'any', or Input should be a valid "
+            "integer",
+        ),
+        (
+            "[daemon]\ncpu = true\n",  # not CPU 1
+            "[daemon] cpu = True: Input should be 'one' or 'any', or Input should be a valid "
+            "integer",
+        ),
     ],
-    ids=["observer", "log-level", "on-leak"],
+    ids=["observer", "log-level", "on-leak", "cpu-word", "cpu-bool"],
 )
 def test_bad_choice_lists_the_allowed_values(tmp_path: Path, toml: str, expected: str) -> None:
     assert load_error(tmp_path, toml) == expected
