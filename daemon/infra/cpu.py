@@ -4,9 +4,9 @@ They take turns on the GIL anyway: the LLM loop, the job pool, litellm's
 executor, the scans. On one core, handing the GIL over is a plain context
 switch; across two, every blocking call of one thread wakes the other on the
 other core (a futex, an interrupt, a cold cache) and then waits for it in
-turn. bench/RESULTS.md (issue 36): 14.7 -> 10.9 ms of CPU a loss job in steps
-of 2 sets, 14.4 -> 12.4 in steps of 64, and the run's wall shorter, not
-longer.
+turn. bench/RESULTS.md (issue 36, `llm_bench.py cpu`): 16.6 -> 11.2 ms of CPU
+a loss job in steps of 2 sets, 13.2 -> 11.8 in steps of 64, and the run's
+wall shorter, not longer.
 
 Linux gives each thread its own CPU mask and a new thread the mask of the
 thread that made it: pinning every thread there is when the daemon starts
