@@ -1,11 +1,13 @@
 """The answer key's episodes are read once per content, not once per set:
 kept while their identity (inode, size, mtime, ctime) holds, never while
-racily clean, and never for a writer's scripts."""
+racily clean, and never for a writer's scripts; and a writer's scripts are
+read from the folder that was checked, whatever its path says since."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,9 +22,9 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     seen: list[Path] = []
     real = dataset._read_bytes
 
-    def counting(path: Path, size: int) -> bytes:
+    def counting(path: Path, *args: Any, **kwargs: Any) -> bytes | None:
         seen.append(path)
-        return real(path, size)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(dataset, "_read_bytes", counting)
     dataset._kept_text.clear()
@@ -112,3 +114,31 @@ def test_a_file_grown_since_its_stat_is_read_to_its_end(tmp_path: Path) -> None:
     path = tmp_path / "ep01.txt"
     path.write_text(TEXT * 5000, encoding="utf-8")
     assert dataset._read_bytes(path, len(TEXT)) == (TEXT * 5000).encode()
+
+
+def test_a_scripts_folder_swapped_for_a_link_after_its_check_is_not_read_through(
+    tmp_path: Path,
+) -> None:
+    # The range's folder is confined once and opened: a writer that moves it
+    # away and links the answer key in its place afterwards gets its own
+    # episode read, not the key's.
+    runs, data = tmp_path / "runs", tmp_path / "data" / "w" / "human"
+    scripts = runs / "r" / "scripts"
+    for folder, text in ((scripts, "INT. MODEL - DAY\n\nA model line.\n"), (data, TEXT)):
+        folder.mkdir(parents=True)
+        (folder / "ep01.txt").write_text(text, encoding="utf-8")
+    fd = dataset._open_confined(scripts, runs, tmp_path / "data", "model episode")
+    assert fd is not None
+    try:
+        scripts.rename(runs / "r" / "moved")
+        scripts.symlink_to(data, target_is_directory=True)
+        text = dataset.read_episode(scripts / "ep01.txt", label="model episode",
+                                    confine_to=runs, answer_key=tmp_path / "data",
+                                    folder_fd=fd)
+    finally:
+        os.close(fd)
+    assert "A model line." in text and "soup" not in text
+    # Read afresh, the link is refused for where it leads.
+    with pytest.raises(dataset.RefusedError, match="leads into the answer key"):
+        dataset.read_range(scripts, 1, 1, label="model", confine_to=runs,
+                           answer_key=tmp_path / "data")

@@ -77,7 +77,7 @@ def _range_digest(hashes: Mapping[int, str]) -> str:
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
                  answer_key: Path | None = None, max_bytes: int | None = None,
-                 folder_confined: bool = False) -> str:
+                 folder_fd: int | None = None) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: the file's real path must stay inside this directory (a
@@ -85,11 +85,12 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     itself must not be a symlink. `answer_key`: the real path must not lie
     in this directory (data/: a writer's link to the answer key).
     `max_bytes`: refuse a larger file before reading it into memory.
-    `folder_confined`: the caller confined path's folder (read_range, once for
-    the range), so only a link at the file itself needs confining.
+    `folder_fd`: path's folder, opened and confined by the caller (read_range,
+    once for the range): the file is looked up in it, and only a link at the
+    file itself is confined by path.
     """
     try:
-        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_confined)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
     except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
@@ -98,15 +99,10 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 
 
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
-                  max_bytes: int | None, folder_confined: bool) -> str:
-    st = os.lstat(path)
-    link = stat.S_ISLNK(st.st_mode)
-    if confine_to is None and link:
-        raise RefusedError(f"{label} {path} is a symlink out of its folder; not followed")
-    # Not a link, in a confined folder: its real path is the folder's plus its
-    # name, so the walk of every component (a dozen lstats) proves nothing new.
-    if (confine_to is not None or answer_key is not None) and (link or not folder_confined):
-        st = os.stat(confine(str(path), confine_to, answer_key=answer_key, label=label))
+                  max_bytes: int | None, folder_fd: int | None) -> str:
+    st, link = _stat_confined(path, label, confine_to, answer_key, folder_fd)
+    if link:
+        folder_fd = None  # a link is confined, and followed, by its path
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
     if st.st_size == 0:
@@ -121,7 +117,10 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
         return kept[1]
-    data = _read_bytes(path, st.st_size)
+    data = _read_bytes(path, st.st_size, max_bytes, nofollow=not link, folder_fd=folder_fd)
+    if data is None:
+        raise RefusedError(f"{label} {path} grew over the {max_bytes:,}-byte limit the "
+                           "model's context window allows while it was read")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -142,14 +141,37 @@ _KEPT_MAX_CHARS = 64_000_000
 _kept_text: dict[Path, tuple[tuple[int, ...], str]] = {}
 
 
-def _read_bytes(path: Path, size: int) -> bytes:
+def _stat_confined(path: Path, label: str, confine_to: Path | None,
+                   answer_key: Path | None, folder_fd: int | None) -> tuple[os.stat_result, bool]:
+    """The file's stat (its target's, for a link that may be followed), and
+    whether the file itself is a link."""
+    st = os.lstat(path) if folder_fd is None else os.lstat(path.name, dir_fd=folder_fd)
+    link = stat.S_ISLNK(st.st_mode)
+    if confine_to is None and link:
+        raise RefusedError(f"{label} {path} is a symlink out of its folder; not followed")
+    # Not a link, in a confined open folder: it is that folder's, so the walk
+    # of every component of its path (a dozen lstats) proves nothing new.
+    if (confine_to is not None or answer_key is not None) and (link or folder_fd is None):
+        st = os.stat(confine(str(path), confine_to, answer_key=answer_key, label=label))
+    return st, link
+
+
+def _read_bytes(path: Path, size: int, max_bytes: int | None = None, *,
+                nofollow: bool = True, folder_fd: int | None = None) -> bytes | None:
     """The whole file, by descriptor: open, read, close (Path.read_bytes adds
-    an fstat, an ioctl and an lseek). `size`: what stat said, a first guess."""
+    an fstat, an ioctl and an lseek); None if it grew past `max_bytes`.
+    `size`: what stat said, a first guess. `nofollow`: a link swapped in since
+    the lstat is refused, not followed. `folder_fd`: looked up in that folder."""
     # Non-blocking: a FIFO swapped in since the stat reads as empty, not forever.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if nofollow else 0)
+    fd = os.open(path, flags) if folder_fd is None else os.open(path.name, flags,
+                                                                 dir_fd=folder_fd)
     try:
-        chunks = [os.read(fd, size + 1)]
+        chunks, total = [os.read(fd, size + 1)], 0
         while chunks[-1]:  # grown since the stat: read on to the end
+            total += len(chunks[-1])
+            if max_bytes is not None and total > max_bytes:
+                return None
             chunks.append(os.read(fd, max(size, 65536)))
         return b"".join(chunks)
     finally:
@@ -250,19 +272,41 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
                 f"{label} episodes {first}-{last} in {directory} total {total:,} bytes, over "
                 f"the {max_bytes:,}-byte limit the model's context window allows "
                 f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
-    folder_confined = False
+    folder_fd = None
     if confine_to is not None:
-        # The folder once for the range. Its refusal names the same link a
-        # file's would: the first on the way down from confine_to.
         try:
-            confine(str(directory), confine_to, answer_key=answer_key, label=f"{label} episode")
-            folder_confined = True
+            folder_fd = _open_confined(directory, confine_to, answer_key, f"{label} episode")
         except FileNotFoundError:
             pass  # each episode is then "missing", as read_episode says
-    return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
-                            answer_key=answer_key, max_bytes=max_bytes,
-                            folder_confined=folder_confined)
-            for n, p in zip(numbers, paths, strict=True)}
+    try:
+        return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
+                                answer_key=answer_key, max_bytes=max_bytes, folder_fd=folder_fd)
+                for n, p in zip(numbers, paths, strict=True)}
+    finally:
+        if folder_fd is not None:
+            os.close(folder_fd)
+
+
+def _open_confined(directory: Path, root: Path, answer_key: Path | None,
+                   label: str) -> int | None:
+    """`directory` confined once for a range, and opened: its episodes are looked
+    up in what was checked, so a folder swapped for a link to the answer key
+    after the check is not read through. The folder as opened is checked
+    again. A refusal names the link a file's would (the first below `root`).
+    None where /proc cannot say what was opened: each file is confined then."""
+    real = confine(str(directory), root, answer_key=answer_key, label=label)
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if opened != real:  # moved between the check and the open
+            confine(opened, root, answer_key=answer_key, label=label)
+    except OSError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _size(path: Path) -> int:
