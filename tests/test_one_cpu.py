@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from daemon.infra import cpu as cpu_module
 from tests.daemon_helpers import Workspace, build_workspace, read_events, run_cli
 from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.llm_server import LLMServer
@@ -26,14 +28,20 @@ pytestmark = [
 ]
 
 NO_AUDIT = "[integrity]\naudit_on_start = false\n"
+# A CPU named by number: the last this process may use (not "1": a cpuset may be 4-7).
+LAST = str(max(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else "0"
 # The optimizer's record: its own CPUs, and each thread of its parent (the daemon).
 RECORD = r"""
 import json, os, sys
 def cpus(status):
-    line = next(l for l in open(status) if l.startswith("Cpus_allowed_list:"))
+    try:
+        line = next(l for l in open(status) if l.startswith("Cpus_allowed_list:"))
+    except FileNotFoundError:  # a thread that ended since the listing
+        return None
     return line.split(":", 1)[1].strip()
 parent = os.getppid()
 threads = {t: cpus(f"/proc/{parent}/task/{t}/status") for t in os.listdir(f"/proc/{parent}/task")}
+threads = {t: c for t, c in threads.items() if c is not None}
 json.dump({"self": cpus("/proc/self/status"), "daemon_threads": threads}, open(sys.argv[1], "w"))
 """
 
@@ -64,7 +72,7 @@ def _run(tmp_path: Path, url: str, cpu: str) -> tuple[Workspace, Any, dict[str, 
     return ws, result, got
 
 
-@pytest.mark.parametrize("cpu", ['"one"', "1"])
+@pytest.mark.parametrize("cpu", ['"one"', LAST])
 def test_the_daemons_threads_share_one_cpu_and_its_optimizer_has_them_all(
     tmp_path: Path, llm_server: LLMServer, cpu: str
 ) -> None:
@@ -73,8 +81,8 @@ def test_the_daemons_threads_share_one_cpu_and_its_optimizer_has_them_all(
     started = read_events(ws.log_file, "daemon.started")[0]
     pinned = started["cpu"]
     assert isinstance(pinned, int) and pinned in os.sched_getaffinity(0)
-    if cpu == "1":
-        assert pinned == 1
+    if cpu == LAST:
+        assert pinned == int(LAST)
     # Every thread, the LLM loop and the job pool among them (the daemon has
     # made its calls and reports before the optimizer runs).
     assert len(got["daemon_threads"]) >= 4, got
@@ -101,3 +109,33 @@ def test_a_cpu_the_process_may_not_use_is_a_config_error(
     assert not got  # stopped before any job or step
     assert not read_events(ws.log_file, "daemon.started")
     assert "[daemon] cpu" in read_events(ws.log_file, "daemon.failed")[0]["reason"]
+
+
+def test_the_cpu_it_starts_on_is_read_from_proc() -> None:
+    # A thread of its own pinned to each CPU in turn: "one" must name where the
+    # process runs (a wrong /proc field would still name some allowed CPU).
+    allowed = os.sched_getaffinity(0)
+    seen: dict[int, int] = {}
+
+    def on(cpu: int) -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        sum(range(200_000))  # run there a moment
+        seen[cpu] = cpu_module._running_on(allowed)
+
+    for cpu in sorted(allowed)[:4]:
+        thread = threading.Thread(target=on, args=(cpu,))
+        thread.start()
+        thread.join()
+    assert seen == {cpu: cpu for cpu in seen}
+
+
+def test_a_mask_the_kernel_refuses_does_not_stop_a_spawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A cpuset changed since the start: the child starts on the daemon's CPU
+    # rather than not at all, and the thread's own mask stays.
+    monkeypatch.setattr(cpu_module, "_whole", {4096})
+    before = os.sched_getaffinity(0)
+    with cpu_module.unpinned():
+        ran = True
+    assert ran and os.sched_getaffinity(0) == before

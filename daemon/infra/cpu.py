@@ -59,16 +59,23 @@ def pin(choice: Choice) -> int | None:
 @contextlib.contextmanager
 def unpinned() -> Iterator[None]:
     """The calling thread on all the process's CPUs for the block: a child
-    process started in it inherits them, not the daemon's one CPU."""
+    process started in it inherits them, not the daemon's one CPU. A mask the
+    kernel no longer takes (a cpuset changed since) is skipped: a child on the
+    daemon's CPU is slower, a child not started is a failed step."""
     if _whole is None:
         yield
         return
     mine = os.sched_getaffinity(0)  # 0: the calling thread, on Linux
-    os.sched_setaffinity(0, _whole)
+    try:
+        os.sched_setaffinity(0, _whole)
+    except OSError:
+        mine = set()
     try:
         yield
     finally:
-        os.sched_setaffinity(0, mine)
+        if mine:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, mine)
 
 
 def _can_pin() -> bool:
