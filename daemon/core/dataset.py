@@ -60,10 +60,10 @@ def files_digest(paths: Mapping[int, str]) -> str | None:
     hashes = {}
     for n, path in paths.items():
         try:  # non-blocking: a FIFO swapped in since it was looked at reads as empty
-            with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-                hashes[n] = hashlib.sha256(f.read()).hexdigest()
+            data = _read_bytes(Path(path), 0, nofollow=False)
         except OSError:
             return None
+        hashes[n] = hashlib.sha256(data or b"").hexdigest()
     return _range_digest(hashes)
 
 
@@ -101,8 +101,6 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
                   max_bytes: int | None, folder_fd: int | None) -> str:
     st, link = _stat_confined(path, label, confine_to, answer_key, folder_fd)
-    if link:
-        folder_fd = None  # a link is confined, and followed, by its path
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
     if st.st_size == 0:
@@ -117,7 +115,10 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
         return kept[1]
-    data = _read_bytes(path, st.st_size, max_bytes, nofollow=not link, folder_fd=folder_fd)
+    # A link is confined, and followed, by its path; a plain file is opened in
+    # the checked folder.
+    data = _read_bytes(path, st.st_size, max_bytes, nofollow=not link,
+                       folder_fd=None if link else folder_fd)
     if data is None:
         raise RefusedError(f"{label} {path} grew over the {max_bytes:,}-byte limit the "
                            "model's context window allows while it was read")
