@@ -130,6 +130,86 @@ def test_slow_start_doubles_then_a_429_cuts_once_per_episode_then_it_grows_by_on
     run(scenario())
 
 
+def test_a_429_stating_a_short_wait_settles_its_episode_that_soon() -> None:
+    """A bucket that refills in 25 ms shows within a round trip whether a cut
+    was enough: a call admitted under the cut limit and refused after that
+    wait is a new episode (a 15 s debounce let a limit 25 % too high run into
+    the wall for 15 s). A stated window's reset counts like Retry-After."""
+    async def scenario() -> None:
+        for wait in ({"retry_after_s": 0.025},
+                     {"headers": {"x-ratelimit-limit-requests": "40",
+                                  "x-ratelimit-remaining-requests": "0",
+                                  "x-ratelimit-reset-requests": "25ms"}}):
+            lim, _, clock = limiter()
+            lim.limit, lim.slow_start = 50, False
+
+            def refused(generation: int, lim: Limiter = lim, wait: Any = wait) -> None:
+                lim.in_flight += 1  # a call of that generation gets a 429
+                lim.release(generation, "rate_limited", **wait)
+
+            lim.release(await lim.acquire(), "rate_limited", **wait)
+            assert lim.limit == 40
+            clock.now += 0.01  # within the wait: the cut cannot show yet
+            refused(lim.generation)
+            assert lim.limit == 40
+            clock.now += 1.0
+            refused(lim.generation)
+            assert lim.limit == 32  # refused under the cut limit, after the wait
+            clock.now += 1.0  # a call admitted before that cut is still its episode
+            refused(lim.generation - 1)
+            assert lim.limit == 32
+
+    run(scenario())
+
+
+def test_the_wait_a_429_states_settles_at_most_fifteen_seconds() -> None:
+    async def scenario() -> None:
+        lim, _, clock = limiter()
+        lim.limit, lim.slow_start = 50, False
+        lim.release(await lim.acquire(), "rate_limited", retry_after_s=60.0)
+        assert lim.limit == 40
+        clock.now += 14.0
+        lim.in_flight += 1
+        lim.release(lim.generation, "rate_limited", retry_after_s=60.0)
+        assert lim.limit == 40
+        clock.now += 2.0  # 16 s: still held, but the episode is over
+        lim.in_flight += 1
+        lim.release(lim.generation, "rate_limited", retry_after_s=60.0)
+        assert lim.limit == 32
+
+    run(scenario())
+
+
+def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -> None:
+    """The doubling from 32 to 64 overshot a provider that serves 40 at once:
+    the cut keeps the 40 served in the last round trip (TCP Westwood), not
+    x0.8 = 51, which would need a second episode; never below the 32 of the
+    window before the doubling, which all succeeded."""
+    async def scenario() -> None:
+        for served, expected in ((40, 40), (10, 32), (60, 51)):
+            lim, events, clock = limiter()
+            while lim.limit < 64:  # slow start: windows of successes, one second each
+                gens = [await lim.acquire() for _ in range(lim.limit)]
+                clock.now += 1.0
+                for g in gens:
+                    lim.release(g, "ok", round_trip_s=1.0)
+            slots = [Slot(lim) for _ in range(64)]
+            for slot in slots:
+                await slot.take()
+            clock.now += 1.0  # a round trip of one second
+            for slot in slots[:served]:
+                slot.give_back("ok")
+            assert lim.slow_start and lim.limit == 64
+            clock.now += 0.01
+            slots[served].give_back("rate_limited")
+            assert lim.limit == expected and not lim.slow_start
+            assert events[-1]["served_in_round_trip"] == served
+            clock.now += 2.0  # successes older than a round trip are not counted
+            assert lim._served(clock.now) == 0
+
+    run(scenario())
+
+
 def test_the_limit_never_leaves_its_floor_and_ceiling() -> None:
     async def scenario() -> None:
         lim, _, clock = limiter(floor=3, ceiling=6)

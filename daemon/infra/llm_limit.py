@@ -8,9 +8,19 @@ concurrency-limits:
   as many successes as the limit) until the first rate-limit episode;
 - then AIMD: one more after each window of successes, x0.8 on a 429 (or a
   503 that says Retry-After), once per rate-limit episode: the 429s of calls
-  admitted under a limit already cut, and any within EPISODE_S of the last
-  cut, are the same episode, not a collapse to the floor (inspect_ai's
-  adaptive connections: x0.8, 15 s);
+  admitted under a limit already cut, and any within the episode's settling
+  time of the last cut, are the same episode, not a collapse to the floor
+  (inspect_ai's adaptive connections: x0.8, 15 s). The settling time is the
+  wait the cutting 429 stated (its window's reset, else its Retry-After), at
+  most EPISODE_S, and EPISODE_S when it stated none: a provider whose bucket
+  refills in 25 ms shows within a round trip whether the cut was enough, and
+  a call admitted under the cut limit that is still refused then says it was
+  not (a 15 s debounce there let a limit 25 % too high run into the wall for
+  15 s: 4-13 % of calls refused in the bench);
+- the first 429 ends slow start, and its cut also keeps no more calls than
+  the provider served in the last round trip, and no fewer than half (the
+  window before the doubling was all successes): TCP Westwood's estimate of
+  what got through, so one doubling past the wall is one episode, not two;
 - a 5xx or a timeout pauses growth (the window of successes starts again)
   without shrinking: an overloaded server is not a rate limit;
 - a Retry-After holds every call of the endpoint back until it has passed,
@@ -52,6 +62,7 @@ Everything here runs on the LLM loop's thread (daemon/llm_loop.py): no locks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -111,6 +122,10 @@ class Limiter:
         self._unstated = 0  # replies in a row without a stated limit
         self._candidate: tuple[tuple[int | None, int | None], int] = ((None, None), 0)
         self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
+        self._settle_s = EPISODE_S  # how long after that cut a 429 is still its episode
+        self._ok_at: deque[float] = deque(maxlen=4 * self.ceiling + 16)  # recent successes
+        self._round_trip_s: float | None = None  # a success's round trip (running mean)
+        self._doubled = False  # slow start has doubled the limit: the half was all successes
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
@@ -144,18 +159,21 @@ class Limiter:
 
     def release(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
                 headers: Mapping[str, str] | None = None, tokens: int = 0,
-                blocked: tuple[str, str] | None = None) -> None:
+                blocked: tuple[str, str] | None = None,
+                round_trip_s: float | None = None) -> None:
         """A slot given back. `outcome`: "ok", "rate_limited", "error", "blocked"
-        (with `blocked`: the kind and the provider's words) or "unused"."""
+        (with `blocked`: the kind and the provider's words) or "unused";
+        `round_trip_s`: how long the call held its slot."""
         self.in_flight -= 1
         self.record(generation, outcome, retry_after_s=retry_after_s, headers=headers,
-                    tokens=tokens)
+                    tokens=tokens, round_trip_s=round_trip_s)
         if outcome == "blocked" and blocked is not None:
             self.block(*blocked)
         self._wake()
 
     def record(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
-               headers: Mapping[str, str] | None = None, tokens: int = 0) -> None:
+               headers: Mapping[str, str] | None = None, tokens: int = 0,
+               round_trip_s: float | None = None) -> None:
         """What a call came to, for the limit (its slot may still be held)."""
         if outcome != "unused":
             self.usage.calls += 1
@@ -163,6 +181,7 @@ class Limiter:
             self.usage.rate_limited += 1
         if self.adaptive:
             if outcome == "ok":
+                self._delivered(round_trip_s)
                 self._grow()
             elif outcome == "error":
                 self._successes = 0  # a 5xx, a timeout: growth waits, nothing is cut
@@ -170,9 +189,9 @@ class Limiter:
                 # A 429 that states the provider's window (its reset) holds the
                 # endpoint only as long as that window says (_pace, below); its
                 # Retry-After (whole seconds) is the refused call's own wait.
-                stated = headers is not None \
-                    and read_rate_headers(headers).requests_reset_s is not None
-                self._cut(generation, None if stated else retry_after_s)
+                reset_s = read_rate_headers(headers).requests_reset_s if headers else None
+                self._cut(generation, retry_after_s if reset_s is None else None,
+                          settle_s=retry_after_s if reset_s is None else reset_s)
             if tokens > 0:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
             if headers or outcome == "ok":  # a reply without them: the headers may be gone
@@ -270,23 +289,46 @@ class Limiter:
         if not used or self.limit >= self.ceiling:
             return
         new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
+        self._doubled = self.slow_start
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
 
-    def _cut(self, generation: int, retry_after_s: float | None) -> None:
-        self.slow_start = False
+    def _delivered(self, round_trip_s: float | None) -> None:
+        """A success: when, and how long its round trip took (for _served())."""
+        self._ok_at.append(self.clock())
+        if round_trip_s is not None and round_trip_s >= 0:
+            mean = self._round_trip_s
+            self._round_trip_s = round_trip_s if mean is None \
+                else mean + (round_trip_s - mean) * 0.1
+
+    def _served(self, now: float) -> int:
+        """Successes in the last round trip: the calls at once the provider just served."""
+        since = now - (self._round_trip_s or 0.0)
+        return sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._ok_at)))
+
+    def _cut(self, generation: int, retry_after_s: float | None, *,
+             settle_s: float | None) -> None:
+        """A 429: hold for its Retry-After (`retry_after_s`) and, once per episode,
+        cut the limit; `settle_s`: the wait it stated, how soon a cut shows."""
+        slow_start, self.slow_start = self.slow_start, False
         if retry_after_s is not None and retry_after_s > 0:
             self._hold(retry_after_s, "Retry-After")
         now = self.clock()
-        recent = self._cut_at is not None and now - self._cut_at < EPISODE_S
+        recent = self._cut_at is not None and now - self._cut_at < self._settle_s
         same_episode = generation != self.generation or recent
         if self.pace.rate is not None:
             self.pace.rate_limited(now, new_episode=not same_episode)
         if same_episode:
-            return  # admitted under a limit already cut, or just after it
+            return  # admitted under a limit already cut, or before the cut could show
         self.generation += 1
         self._successes = 0
         self._cut_at = now
-        self._set(max(self.floor, min(self.limit - 1, int(self.limit * CUT))), "rate limited")
+        self._settle_s = EPISODE_S if settle_s is None else min(EPISODE_S, max(0.0, settle_s))
+        served = self._served(now)
+        new = int(self.limit * CUT)
+        if slow_start and self._doubled:  # the doubling overshot: keep what got through,
+            new = min(new, max(self.limit // 2, served))  # at least the window before it
+        self._set(max(self.floor, min(self.limit - 1, new)), "rate limited",
+                  served_in_round_trip=served)
 
     def _set(self, new: int, reason: str, **extra: Any) -> None:
         if new == self.limit:
@@ -409,23 +451,28 @@ class Slot:
         self.held = False
         self.keep_after_reply = keep_after_reply
         self._generation = 0
+        self._taken_at = 0.0
 
     async def take(self) -> None:
         if self.limiter is not None and not self.held:
             self._generation = await self.limiter.acquire()
+            self._taken_at = self.limiter.clock()
             self.held = True
 
     def give_back(self, outcome: str = "unused", *, retry_after_s: float | None = None,
                   headers: Mapping[str, str] | None = None, tokens: int = 0,
                   blocked: tuple[str, str] | None = None) -> None:
         if self.limiter is not None and self.held:
+            round_trip_s = self.limiter.clock() - self._taken_at
             if outcome == "ok" and self.keep_after_reply:
                 self.keep_after_reply = False  # the next give_back() frees it
-                self.limiter.record(self._generation, outcome, headers=headers, tokens=tokens)
+                self.limiter.record(self._generation, outcome, headers=headers, tokens=tokens,
+                                    round_trip_s=round_trip_s)
                 return
             self.held = False
             self.limiter.release(self._generation, outcome, retry_after_s=retry_after_s,
-                                 headers=headers, tokens=tokens, blocked=blocked)
+                                 headers=headers, tokens=tokens, blocked=blocked,
+                                 round_trip_s=round_trip_s)
 
 
 def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
