@@ -210,6 +210,40 @@ def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -
     run(scenario())
 
 
+def test_past_the_last_wall_the_limit_grows_one_every_four_windows() -> None:
+    """A burst allowance hides a limit above the provider's rate until the
+    burst is spent: below the calls served when the last cut came, one more a
+    window; past them, one more every four (TCP CUBIC's plateau)."""
+    async def scenario() -> None:
+        lim, _, clock = limiter()
+        lim.limit, lim.slow_start = 50, False
+        slots = [Slot(lim) for _ in range(50)]
+        for slot in slots:
+            await slot.take()
+        clock.now += 1.0
+        for slot in slots[:42]:  # 42 served in the round trip, then a 429
+            slot.give_back("ok", headers={})
+        slots[42].give_back("rate_limited", retry_after_s=0.01)
+        for slot in slots[43:]:
+            slot.give_back("ok")
+        assert lim.limit == 40
+        clock.now += 0.1  # past the Retry-After
+
+        async def window() -> None:
+            gens = [await lim.acquire() for _ in range(lim.limit)]
+            clock.now += 1.0
+            for g in gens:
+                lim.release(g, "ok", round_trip_s=1.0)
+
+        grown = []
+        for _ in range(10):
+            await window()
+            grown.append(lim.limit)
+        assert grown == [41, 42, 42, 42, 42, 43, 43, 43, 43, 44]
+
+    run(scenario())
+
+
 def test_the_limit_never_leaves_its_floor_and_ceiling() -> None:
     async def scenario() -> None:
         lim, _, clock = limiter(floor=3, ceiling=6)
@@ -434,7 +468,8 @@ def test_the_limit_is_cut_on_429s_and_grows_back() -> None:
                   on_change=lambda event, **f: events.append({"event": event, **f}))
     with LLMServer(default=limits, latency=(0.1, 0.1)) as server:
         lim.limit, lim.slow_start = 40, False  # far above what 20/s at 0.1 s can take
-        results = calls(server, lim, 120)
+        # 200: past the calls served when it was cut, it grows one every four windows
+        results = calls(server, lim, 200)
     assert not [r for r in results if isinstance(r, Exception)]
     moves = [(e["reason"], e["limit"]) for e in events if e["event"] == "llm.limit_changed"]
     cut = [n for reason, n in moves if reason == "rate limited"]

@@ -21,6 +21,11 @@ concurrency-limits:
   the provider served in the last round trip, and no fewer than half (the
   window before the doubling was all successes): TCP Westwood's estimate of
   what got through, so one doubling past the wall is one episode, not two;
+- past the calls served in a round trip when the last cut came (the wall),
+  the limit grows by one every PROBE_WINDOWS windows, not every window (TCP
+  CUBIC's plateau): a provider's burst allowance hides a limit above its
+  rate until the burst is spent, so a quick climb past the wall meets it
+  far above (44 -> 52 at 40/s, then 8-18 429s an episode: 2 % of calls);
 - a 5xx or a timeout pauses growth (the window of successes starts again)
   without shrinking: an overloaded server is not a rate limit;
 - a Retry-After holds every call of the endpoint back until it has passed,
@@ -80,6 +85,7 @@ SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and cei
 CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
 EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
+PROBE_WINDOWS = 4  # past the last wall, the limit grows by one every this many windows
 GONE_AFTER = 10  # ok replies in a row without rate-limit headers: the provider stopped stating
 # them (not 1: replies to calls sent before a change may still come back with them)
 
@@ -126,6 +132,8 @@ class Limiter:
         self._ok_at: deque[float] = deque(maxlen=4 * self.ceiling + 16)  # recent successes
         self._round_trip_s: float | None = None  # a success's round trip (running mean)
         self._doubled = False  # slow start has doubled the limit: the half was all successes
+        self._wall: int | None = None  # calls served in a round trip when the last cut came
+        self._probes = 0  # windows of successes past that wall since the limit last grew
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
@@ -288,6 +296,11 @@ class Limiter:
         self._successes, self._peak = 0, self.in_flight + len(self._waiters)
         if not used or self.limit >= self.ceiling:
             return
+        if not self.slow_start and self._wall is not None and self.limit >= self._wall:
+            self._probes += 1  # past the last wall: probe slowly (TCP CUBIC's plateau)
+            if self._probes < PROBE_WINDOWS:
+                return
+        self._probes = 0
         new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
         self._doubled = self.slow_start
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
@@ -324,6 +337,7 @@ class Limiter:
         self._cut_at = now
         self._settle_s = EPISODE_S if settle_s is None else min(EPISODE_S, max(0.0, settle_s))
         served = self._served(now)
+        self._wall, self._probes = served or None, 0
         new = int(self.limit * CUT)
         if slow_start and self._doubled:  # the doubling overshot: keep what got through,
             new = min(new, max(self.limit // 2, served))  # at least the window before it
