@@ -22,7 +22,8 @@ import pytest
 from skilltrain.daemon.core.config import LLMConfig
 from skilltrain.daemon.core.errors import ConfigError
 from skilltrain.daemon.infra import llm, llm_errors, llm_flex, llm_loop
-from skilltrain.daemon.infra.llm_limit import Limiter, Slot
+from skilltrain.daemon.infra.llm_endpoints import Slot
+from skilltrain.daemon.infra.llm_limit import Limiter
 from tests.conftest import LOOPBACK_MODEL
 from tests.daemon_helpers import (
     DaemonProcess,

@@ -15,8 +15,9 @@ import pytest
 
 from skilltrain.daemon.core.config import LLMConfig
 from skilltrain.daemon.infra import llm, llm_loop
+from skilltrain.daemon.infra.llm_endpoints import Slot, endpoint_name
 from skilltrain.daemon.infra.llm_headers import parse_reset, read_rate_headers
-from skilltrain.daemon.infra.llm_limit import Limiter, Slot, endpoint_name
+from skilltrain.daemon.infra.llm_limit import Limiter
 from tests.conftest import LOOPBACK_MODEL
 from tests.daemon_helpers import Start, build_workspace, release_llm_clients, wait_until
 from tests.daemon_marks import DAEMON_TEST_MARKS
@@ -150,13 +151,13 @@ def test_a_429_stating_a_short_wait_settles_its_episode_that_soon() -> None:
             lim.release(await lim.acquire(), "rate_limited", **wait)
             assert lim.limit == 40
             clock.now += 0.01  # within the wait: the cut cannot show yet
-            refused(lim.generation)
+            refused(lim.episodes.generation)
             assert lim.limit == 40
             clock.now += 1.0
-            refused(lim.generation)
+            refused(lim.episodes.generation)
             assert lim.limit == 32  # refused under the cut limit, after the wait
             clock.now += 1.0  # a call admitted before that cut is still its episode
-            refused(lim.generation - 1)
+            refused(lim.episodes.generation - 1)
             assert lim.limit == 32
 
     run(scenario())
@@ -170,11 +171,11 @@ def test_the_wait_a_429_states_settles_at_most_fifteen_seconds() -> None:
         assert lim.limit == 40
         clock.now += 14.0
         lim.in_flight += 1
-        lim.release(lim.generation, "rate_limited", retry_after_s=60.0)
+        lim.release(lim.episodes.generation, "rate_limited", retry_after_s=60.0)
         assert lim.limit == 40
         clock.now += 2.0  # 16 s: still held, but the episode is over
         lim.in_flight += 1
-        lim.release(lim.generation, "rate_limited", retry_after_s=60.0)
+        lim.release(lim.episodes.generation, "rate_limited", retry_after_s=60.0)
         assert lim.limit == 32
 
     run(scenario())
@@ -205,7 +206,7 @@ def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -
             assert lim.limit == expected and not lim.slow_start
             assert events[-1]["served_in_round_trip"] == served
             clock.now += 2.0  # successes older than a round trip are not counted
-            assert lim._served(clock.now) == 0
+            assert lim.episodes.served(clock.now) == 0
 
     run(scenario())
 
@@ -566,7 +567,7 @@ def test_a_call_past_the_whole_request_timeout_is_cancelled_and_leaves_no_thread
 def test_prometheus_gets_each_endpoints_limit_in_flight_and_rate_limited_replies() -> None:
     from prometheus_client import generate_latest
 
-    from skilltrain.daemon.infra.llm_limit import Limiters
+    from skilltrain.daemon.infra.llm_endpoints import Limiters
     from skilltrain.daemon.service.metrics import Metrics
 
     limiters = Limiters(fixed=None, ceiling=64)

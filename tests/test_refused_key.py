@@ -14,7 +14,8 @@ import pytest
 
 from skilltrain.daemon.core.config import LLMConfig
 from skilltrain.daemon.infra import llm, llm_loop
-from skilltrain.daemon.infra.llm_limit import Limiter, Slot
+from skilltrain.daemon.infra.llm_endpoints import Slot
+from skilltrain.daemon.infra.llm_limit import Limiter
 from tests.conftest import LOOPBACK_MODEL
 from tests.daemon_helpers import (
     InProcessDaemon,
@@ -178,7 +179,7 @@ def test_once_exits_non_zero_when_the_key_is_refused(tmp_path: Path) -> None:
 def test_prometheus_gets_the_blocked_endpoint_for_the_alert() -> None:
     from prometheus_client import generate_latest
 
-    from skilltrain.daemon.infra.llm_limit import Limiters
+    from skilltrain.daemon.infra.llm_endpoints import Limiters
     from skilltrain.daemon.service.metrics import Metrics
 
     limiters = Limiters(fixed=None)

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from skilltrain.daemon.commands.tail_format import _f_llm_pacing
-from skilltrain.daemon.infra.llm_limit import GONE_AFTER, Limiter
+from skilltrain.daemon.infra.llm_headers import GONE_AFTER
+from skilltrain.daemon.infra.llm_limit import Limiter
 from tests.daemon_helpers import release_llm_clients
 from tests.daemon_marks import DAEMON_TEST_MARKS
 from tests.limited_llm_server import RateLimits

@@ -37,10 +37,10 @@ from ..core.config import BUILTIN_MODEL, LLMConfig
 from ..core.errors import ConfigError, LLMError
 from ..guard import leakguard
 from . import llm_flex, llm_loop
+from .llm_endpoints import Slot
 from .llm_errors import error_headers as _error_headers
 from .llm_errors import flex_unavailable, refused_key
 from .llm_errors import retry_after as _retry_after
-from .llm_limit import Slot
 
 Message = dict[str, Any]
 BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"

@@ -2,7 +2,8 @@
 
 OpenAI's x-ratelimit-limit-/remaining-/reset-requests and -tokens,
 Anthropic's anthropic-ratelimit-*, and litellm's `llm_provider-` copies of
-them; how long a window takes to refill a few units.
+them; how long a window takes to refill a few units; the stated limits as
+a run of replies says them (StatedLimits).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 
 HOLD_WITHOUT_RESET_S = 1.0  # nearly spent, no reset header: pause this long
+GONE_AFTER = 10  # ok replies in a row without rate-limit headers: the provider stopped stating
+# them (not 1: replies to calls sent before a change may still come back with them)
 
 
 def refill_s(reset_s: float | None, limit: int | None, left: int, short: float) -> float:
@@ -129,3 +132,35 @@ def parse_reset(value: str | None, now: float | None = None) -> float | None:
     if at.tzinfo is None:
         return None
     return max(0.0, at.timestamp() - (time.time() if now is None else now))
+
+
+class StatedLimits:
+    """The provider's stated limits (requests, tokens) as its replies say them.
+
+    A new figure counts once two replies in a row say it: a straggler (a reply
+    to a call sent before the change) must not flap it back. The figures are
+    gone after GONE_AFTER replies in a row without them (AIMD alone again).
+    """
+
+    def __init__(self) -> None:
+        self.limits: tuple[int | None, int | None] = (None, None)
+        self._unstated = 0  # replies in a row without a stated limit
+        self._candidate: tuple[tuple[int | None, int | None], int] = ((None, None), 0)
+
+    def read(self, requests: int | None, tokens: int | None) -> tuple[
+            tuple[int | None, int | None], tuple[int | None, int | None]] | None:
+        """One reply's figures: (old, new) when the stated limits change, else None."""
+        stated = (requests, tokens)
+        old = self.limits
+        if stated == (None, None):
+            self._unstated += 1
+            if old == (None, None) or self._unstated < GONE_AFTER:
+                return None
+        else:
+            self._unstated = 0
+            seen = self._candidate[1] + 1 if stated == self._candidate[0] else 1
+            self._candidate = (stated, 0 if stated == old else seen)
+            if stated == old or (seen < 2 and old != (None, None)):
+                return None
+        self.limits = stated
+        return old, stated

@@ -67,16 +67,16 @@ Everything here runs on the LLM loop's thread (daemon/llm_loop.py): no locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from ..core.errors import LLMError
-from .llm_headers import RateWindow, read_rate_headers, refill_s
+from .llm_headers import RateWindow, StatedLimits, read_rate_headers, refill_s
 from .llm_pace import RatePacer
 from .llm_probe import PROBE_S, Probe, Prober
 
@@ -86,8 +86,6 @@ CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
 EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
 PROBE_WINDOWS = 4  # past the last wall, the limit grows by one every this many windows
-GONE_AFTER = 10  # ok replies in a row without rate-limit headers: the provider stopped stating
-# them (not 1: replies to calls sent before a change may still come back with them)
 
 
 @dataclass
@@ -99,6 +97,62 @@ class Usage:
     blocked: int = 0  # times the endpoint was blocked (a refused key)
     holds: int = 0  # times no new call could start for a while (Retry-After, headers)
     held_s: float = 0.0  # seconds of those holds
+
+
+class Episodes:
+    """Which 429s are one rate-limit episode, and what the provider served.
+
+    A cut begins an episode and a generation: the 429s of calls admitted
+    under an older generation are its own, and so are those within its
+    settling time (the wait the cutting 429 stated, at most EPISODE_S;
+    EPISODE_S when it stated none). Successes are kept by when they came
+    back, with a running mean of their round trip: the calls at once the
+    provider served in the last round trip (TCP Westwood's estimate), and,
+    read when a cut comes, the wall past which the limit only probes.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.generation = 0
+        self._cut_at: float | None = None
+        self._settle_s = EPISODE_S
+        self._ok_at: deque[float] = deque(maxlen=keep)
+        self._round_trip_s: float | None = None
+        self._wall: int | None = None  # calls served in a round trip when the last cut came
+        self._probes = 0  # windows of successes past that wall since the limit last grew
+
+    def same(self, generation: int, now: float) -> bool:
+        recent = self._cut_at is not None and now - self._cut_at < self._settle_s
+        return generation != self.generation or recent
+
+    def begin(self, now: float, settle_s: float | None) -> int:
+        """A new episode; the calls served in the last round trip."""
+        self.generation += 1
+        self._cut_at = now
+        self._settle_s = EPISODE_S if settle_s is None else min(EPISODE_S, max(0.0, settle_s))
+        served = self.served(now)
+        self._wall, self._probes = served or None, 0
+        return served
+
+    def success(self, now: float, round_trip_s: float | None) -> None:
+        self._ok_at.append(now)
+        if round_trip_s is not None and round_trip_s >= 0:
+            mean = self._round_trip_s
+            self._round_trip_s = round_trip_s if mean is None \
+                else mean + (round_trip_s - mean) * 0.1
+
+    def served(self, now: float) -> int:
+        """Successes in the last round trip: the calls at once the provider just served."""
+        since = now - (self._round_trip_s or 0.0)
+        return sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._ok_at)))
+
+    def may_grow(self, limit: int) -> bool:
+        """After a window of successes: past the wall, one step every PROBE_WINDOWS."""
+        past = self._wall is not None and limit >= self._wall
+        self._probes += 1
+        if past and self._probes < PROBE_WINDOWS:
+            return False
+        self._probes = 0
+        return True
 
 
 class Limiter:
@@ -114,7 +168,6 @@ class Limiter:
         self.limit = fixed if fixed is not None else max(floor, min(SLOW_START_LIMIT, ceiling))
         self.slow_start = self.adaptive
         self.in_flight = 0
-        self.generation = 0  # bumped when the limit is cut: older calls' 429s are the same episode
         self.hold_until = 0.0
         self.usage = Usage()
         self.on_change = on_change or (lambda *a, **k: None)
@@ -124,16 +177,9 @@ class Limiter:
         self._peak = 0  # most calls in flight or waiting since the limit last moved
         self._timer: asyncio.TimerHandle | None = None
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
-        self.stated_limits: tuple[int | None, int | None] = (None, None)  # the provider's limits
-        self._unstated = 0  # replies in a row without a stated limit
-        self._candidate: tuple[tuple[int | None, int | None], int] = ((None, None), 0)
-        self._cut_at: float | None = None  # when the last rate-limit episode began (clock)
-        self._settle_s = EPISODE_S  # how long after that cut a 429 is still its episode
-        self._ok_at: deque[float] = deque(maxlen=4 * self.ceiling + 16)  # recent successes
-        self._round_trip_s: float | None = None  # a success's round trip (running mean)
+        self.stated = StatedLimits()  # the provider's limits, as its replies say them
+        self.episodes = Episodes(keep=4 * self.ceiling + 16)
         self._doubled = False  # slow start has doubled the limit: the half was all successes
-        self._wall: int | None = None  # calls served in a round trip when the last cut came
-        self._probes = 0  # windows of successes past that wall since the limit last grew
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
@@ -149,7 +195,7 @@ class Limiter:
         self._peak = max(self._peak, self.in_flight + len(self._waiters) + 1)
         if not self._waiters and self._room():
             self._admit()
-            return self.generation
+            return self.episodes.generation
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._arm_timer()
@@ -161,9 +207,10 @@ class Limiter:
                 # paced interval stays spent: one lost, not worth tracking grants)
                 self._wake()
             else:
-                self._remove(waiter)
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
             raise
-        return self.generation
+        return self.episodes.generation
 
     def release(self, generation: int, outcome: str, *, retry_after_s: float | None = None,
                 headers: Mapping[str, str] | None = None, tokens: int = 0,
@@ -189,7 +236,7 @@ class Limiter:
             self.usage.rate_limited += 1
         if self.adaptive:
             if outcome == "ok":
-                self._delivered(round_trip_s)
+                self.episodes.success(self.clock(), round_trip_s)
                 self._grow()
             elif outcome == "error":
                 self._successes = 0  # a 5xx, a timeout: growth waits, nothing is cut
@@ -269,12 +316,6 @@ class Limiter:
                 waiter.set_result(None)
         self._arm_timer()
 
-    def _remove(self, waiter: asyncio.Future[None]) -> None:
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
-
     def _arm_timer(self) -> None:
         """Wake the waiters when a hold ends or the next paced call is due: armed
         whenever only time holds them, even if it just passed (a timer due in this
@@ -296,27 +337,11 @@ class Limiter:
         self._successes, self._peak = 0, self.in_flight + len(self._waiters)
         if not used or self.limit >= self.ceiling:
             return
-        if not self.slow_start and self._wall is not None and self.limit >= self._wall:
-            self._probes += 1  # past the last wall: probe slowly (TCP CUBIC's plateau)
-            if self._probes < PROBE_WINDOWS:
-                return
-        self._probes = 0
+        if not self.slow_start and not self.episodes.may_grow(self.limit):
+            return
         new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
         self._doubled = self.slow_start
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
-
-    def _delivered(self, round_trip_s: float | None) -> None:
-        """A success: when, and how long its round trip took (for _served())."""
-        self._ok_at.append(self.clock())
-        if round_trip_s is not None and round_trip_s >= 0:
-            mean = self._round_trip_s
-            self._round_trip_s = round_trip_s if mean is None \
-                else mean + (round_trip_s - mean) * 0.1
-
-    def _served(self, now: float) -> int:
-        """Successes in the last round trip: the calls at once the provider just served."""
-        since = now - (self._round_trip_s or 0.0)
-        return sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._ok_at)))
 
     def _cut(self, generation: int, retry_after_s: float | None, *,
              settle_s: float | None) -> None:
@@ -326,18 +351,13 @@ class Limiter:
         if retry_after_s is not None and retry_after_s > 0:
             self._hold(retry_after_s, "Retry-After")
         now = self.clock()
-        recent = self._cut_at is not None and now - self._cut_at < self._settle_s
-        same_episode = generation != self.generation or recent
+        same_episode = self.episodes.same(generation, now)
         if self.pace.rate is not None:
             self.pace.rate_limited(now, new_episode=not same_episode)
         if same_episode:
             return  # admitted under a limit already cut, or before the cut could show
-        self.generation += 1
+        served = self.episodes.begin(now, settle_s)
         self._successes = 0
-        self._cut_at = now
-        self._settle_s = EPISODE_S if settle_s is None else min(EPISODE_S, max(0.0, settle_s))
-        served = self._served(now)
-        self._wall, self._probes = served or None, 0
         new = int(self.limit * CUT)
         if slow_start and self._doubled:  # the doubling overshot: keep what got through,
             new = min(new, max(self.limit // 2, served))  # at least the window before it
@@ -378,11 +398,15 @@ class Limiter:
                            wait_s=round(seconds, 3), reason=reason, limit=self.limit,
                            in_flight=self.in_flight)
 
-    def _restate(self, stated: tuple[int | None, int | None]) -> None:
+    @property
+    def stated_limits(self) -> tuple[int | None, int | None]:
+        return self.stated.limits
+
+    def _restate(self, old: tuple[int | None, int | None],
+                 stated: tuple[int | None, int | None]) -> None:
         """The provider's stated limit appeared, changed or went: one line, and the
         calls-at-once limit re-anchored on the new figure at once (2400 -> 1200 a
         minute: half as many calls), not left to meet 429s first."""
-        old, self.stated_limits = self.stated_limits, stated
         was, now = old[0], stated[0]
         if stated == (None, None):
             self.pace.forget()
@@ -391,8 +415,8 @@ class Limiter:
             self.pace.restart()
             new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
             if new < self.limit:  # the calls admitted under the old figure: this episode
-                self.generation += 1
-                self._successes, self._cut_at = 0, self.clock()
+                self.episodes.begin(self.clock(), None)
+                self._successes = 0
             self.slow_start = False
             self.limit = new
             self._peak = self.in_flight + len(self._waiters)
@@ -409,19 +433,8 @@ class Limiter:
         """What a reply says of the provider's window: its stated limit (restated
         on a change), a reading of its refill rate, and a hold when it is spent."""
         window = read_rate_headers(headers)
-        stated = (window.requests_limit, window.tokens_limit)
-        if stated == (None, None):
-            self._unstated += 1
-            if self.stated_limits != (None, None) and self._unstated >= GONE_AFTER:
-                self._restate(stated)  # the provider stopped saying: AIMD alone again
-        else:
-            self._unstated = 0
-            # A new figure counts once two replies in a row say it: a straggler
-            # (a reply to a call sent before the change) must not flap it back.
-            seen = self._candidate[1] + 1 if stated == self._candidate[0] else 1
-            self._candidate = (stated, 0 if stated == self.stated_limits else seen)
-            if stated != self.stated_limits and (seen >= 2 or self.stated_limits == (None, None)):
-                self._restate(stated)
+        if (change := self.stated.read(window.requests_limit, window.tokens_limit)) is not None:
+            self._restate(*change)
         self._observe_rate(window)
         if self.pace.rate is not None:  # paced: only a spent window waits, one request's refill
             if window.requests_left == 0:
@@ -448,113 +461,3 @@ class Limiter:
             self.slow_start = False
             self._set(self.ceiling, "paced on the stated rate",
                       rate_per_s=round(self.pace.rate, 2))
-
-
-class Slot:
-    """One call's hold on its endpoint's limiter (no limiter: always free).
-
-    Taken before an attempt, given back when it ends with what happened, so
-    that a call waiting out a backoff holds nothing. `keep_after_reply`: a
-    successful reply's outcome is recorded but the slot kept until the next
-    give_back() (a loss job holds it until its report and spend are
-    recorded, so that the next job's budget check sees them).
-    """
-
-    def __init__(self, limiter: Limiter | None, *, keep_after_reply: bool = False) -> None:
-        self.limiter = limiter
-        self.held = False
-        self.keep_after_reply = keep_after_reply
-        self._generation = 0
-        self._taken_at = 0.0
-
-    async def take(self) -> None:
-        if self.limiter is not None and not self.held:
-            self._generation = await self.limiter.acquire()
-            self._taken_at = self.limiter.clock()
-            self.held = True
-
-    def give_back(self, outcome: str = "unused", *, retry_after_s: float | None = None,
-                  headers: Mapping[str, str] | None = None, tokens: int = 0,
-                  blocked: tuple[str, str] | None = None) -> None:
-        if self.limiter is not None and self.held:
-            round_trip_s = self.limiter.clock() - self._taken_at
-            if outcome == "ok" and self.keep_after_reply:
-                self.keep_after_reply = False  # the next give_back() frees it
-                self.limiter.record(self._generation, outcome, headers=headers, tokens=tokens,
-                                    round_trip_s=round_trip_s)
-                return
-            self.held = False
-            self.limiter.release(self._generation, outcome, retry_after_s=retry_after_s,
-                                 headers=headers, tokens=tokens, blocked=blocked,
-                                 round_trip_s=round_trip_s)
-
-
-def describe(lim: Limiter, wall: float | None = None) -> dict[str, Any]:
-    """What the limiter does now, for `skilltrain status` (kept on change only):
-    "blocked" (a refused key: why, since when, the next probe), "stated"
-    (paced on the provider's stated limit), "adaptive" (AIMD) or "fixed"."""
-    wall = time.time() if wall is None else wall
-    now = lim.clock()
-    out: dict[str, Any] = {"limit": lim.limit, "requests_limit": lim.stated_limits[0],
-                           "tokens_limit": lim.stated_limits[1]}
-    if lim.blocked is not None:
-        due = lim.prober.due if lim.prober.probe is not None else None
-        return {**out, "mode": "blocked", "kind": lim.blocked[0],
-                "reason": lim.blocked[1], "probe_s": lim.probe_s,
-                "since": wall - (now - lim.blocked_since),
-                "next_probe_at": None if due is None else wall + max(0.0, due - now)}
-    mode = "fixed" if not lim.adaptive else \
-        "stated" if lim.stated_limits != (None, None) else "adaptive"
-    if mode == "stated" and lim.pace.rate is not None:
-        out["paced_per_s"] = float(f"{lim.pace.rate * lim.pace.aim:.3g}")  # 39.2, 0.167
-    return {**out, "mode": mode}
-
-
-def endpoint_name(model: str, api_base: str | None) -> str:
-    """A short, bounded label for an endpoint: `gpt-4o-mini@127.0.0.1:8000`."""
-    name = model.rsplit("/", 1)[-1][:40]
-    where = urlsplit(api_base).netloc[:40] if api_base else ""
-    return f"{name}@{where}" if where else name
-
-
-class Limiters:
-    """One limiter per endpoint (model + api_base), made on first use."""
-
-    def __init__(self, *, fixed: int | None, floor: int = 1, ceiling: int = 64,
-                 on_change: OnChange | None = None,
-                 probe: Callable[[str, str | None], Probe] | None = None,
-                 probe_s: float = PROBE_S) -> None:
-        self.fixed, self.floor, self.ceiling = fixed, floor, ceiling
-        self.on_change = on_change
-        self.probe, self.probe_s = probe, probe_s  # probe(model, api_base): that endpoint's
-        self._by_endpoint: dict[tuple[str, str | None], Limiter] = {}
-
-    def for_endpoint(self, model: str, api_base: str | None) -> Limiter:
-        key = (model, api_base)
-        limiter = self._by_endpoint.get(key)
-        if limiter is None:
-            # dict assignment is atomic: two threads racing make two, one is kept
-            limiter = self._by_endpoint.setdefault(key, Limiter(
-                endpoint_name(model, api_base), fixed=self.fixed, floor=self.floor,
-                ceiling=self.ceiling, on_change=self.on_change,
-                probe=None if self.probe is None else self.probe(model, api_base),
-                probe_s=self.probe_s))
-            if self.on_change is not None:  # a new endpoint: news for `status` only
-                self.on_change("llm.endpoint", level="debug", endpoint=limiter.endpoint,
-                               limit=limiter.limit)
-        return limiter
-
-    def all(self) -> list[Limiter]:
-        return list(self._by_endpoint.values())
-
-    def named(self, endpoint: str) -> Limiter | None:
-        return next((lim for lim in self.all() if lim.endpoint == endpoint), None)
-
-    def refusal(self, model: str, api_base: str | None) -> LLMError | None:
-        """The endpoint is blocked (a refused key): what its calls are refused with."""
-        limiter = self._by_endpoint.get((model, api_base))
-        blocked = limiter is not None and limiter.blocked is not None
-        return limiter.refusal() if blocked and limiter is not None else None
-
-    def blocked(self) -> list[Limiter]:
-        return [limiter for limiter in self.all() if limiter.blocked is not None]

@@ -28,7 +28,7 @@ from ...handlers import loss
 from ..core import config
 from ..core.errors import LLMError
 from ..infra import llm, llm_flex, log
-from ..infra.llm_limit import Limiters, Slot, describe
+from ..infra.llm_endpoints import Limiters, Slot, describe
 from ..infra.llm_loop import LLMLoop
 from ..infra.state import SetState, StateStore
 from .budget import Budget

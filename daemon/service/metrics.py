@@ -67,7 +67,7 @@ class _Limiters(Collector):
     endpoint): the concurrency limit, the calls in flight, rate-limited replies."""
 
     def __init__(self, limiters: Any) -> None:
-        self.limiters = limiters  # llm_limit.Limiters (not imported: metrics stays low)
+        self.limiters = limiters  # llm_endpoints.Limiters (not imported: metrics stays low)
 
     def collect(self) -> Iterator[Metric]:
         limit = GaugeMetricFamily(f"{PREFIX}_llm_concurrency_limit",
