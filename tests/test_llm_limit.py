@@ -528,7 +528,9 @@ def test_the_daemon_at_a_providers_limit_logs_state_changes_only(
                              limits.served_at[-len(limits.served_at) // 5])
     assert all(ws.has_report(s) for s in sets) and not ws.events("loss.failed")
     # Paced on the rate its headers state, and at it: the provider's limit was met.
-    assert limiter.pace.rate == pytest.approx(8, rel=0.1)
+    # Each reading is an upper bound (remaining is rounded down), nearest when the
+    # window is far from full: 8.85 was seen after 48 calls on a loaded machine.
+    assert 8 * 0.98 <= limiter.pace.rate <= 8 * 1.15, limiter.pace.rate
     assert served >= 8 * 0.8, served
     lines = [e for e in ws.events() if str(e.get("event", "")).startswith("llm.")]
     assert len(lines) <= 8, [(e["event"], e.get("reason")) for e in lines]
