@@ -181,6 +181,73 @@ def test_the_wait_a_429_states_settles_at_most_fifteen_seconds() -> None:
     run(scenario())
 
 
+def test_refusals_faster_than_a_round_trip_cut_once_a_round_trip() -> None:
+    """A provider refusing every call in 50 ms with `Retry-After: 0` (a shared
+    key, its tokens spent) while a success takes a second: one cut a round
+    trip at most (as TCP), not one every 50 ms down to the floor; and a 429
+    stating only a long tokens reset settles the episode that long."""
+    async def scenario() -> None:
+        lim, _, clock = limiter()
+        lim.limit, lim.slow_start = 40, False
+        slots = [Slot(lim) for _ in range(40)]
+        for slot in slots:
+            await slot.take()
+        clock.now += 1.0
+        for slot in slots:  # a round trip of one second
+            slot.give_back("ok")
+        lim.limit = 40
+        for _ in range(60):  # three seconds of refusals, each back in 50 ms
+            slot = Slot(lim)
+            await slot.take()
+            clock.now += 0.05
+            slot.give_back("rate_limited", retry_after_s=0.0)
+        assert lim.limit == 20  # 40 -> 32 -> 25 -> 20: one cut a second (not 60 cuts)
+
+        lim, _, clock = limiter()
+        lim.limit, lim.slow_start = 40, False
+        tokens_spent = {"x-ratelimit-limit-requests": "500",
+                        "x-ratelimit-remaining-requests": "499",
+                        "x-ratelimit-reset-requests": "120ms",
+                        "x-ratelimit-remaining-tokens": "0",
+                        "x-ratelimit-reset-tokens": "20s"}
+        lim.release(await lim.acquire(), "rate_limited", retry_after_s=0.0, headers=tokens_spent)
+        assert lim.limit == 32
+        for _ in range(14):  # 14 s of refused calls admitted after the cut: one episode
+            clock.now += 1.0
+            lim.in_flight += 1
+            lim.release(lim.episodes.generation, "rate_limited", headers=tokens_spent,
+                        round_trip_s=0.05)
+        assert lim.limit == 32
+        clock.now += 2.0
+        lim.in_flight += 1
+        lim.release(lim.episodes.generation, "rate_limited", headers=tokens_spent,
+                    round_trip_s=0.05)
+        assert lim.limit == 25
+
+    run(scenario())
+
+
+def test_a_call_admitted_before_the_wait_was_over_is_still_the_episode() -> None:
+    """Sent under the cut limit but before the provider could refill (within
+    the cutting 429's wait): its 429 says nothing of the new limit."""
+    async def scenario() -> None:
+        lim, _, clock = limiter()
+        lim.limit, lim.slow_start = 40, False
+        lim.release(await lim.acquire(), "rate_limited", retry_after_s=0.5)
+        assert lim.limit == 32
+        clock.now += 3.0  # back long after the cut, but admitted 0.2 s after it
+        lim.in_flight += 1
+        lim.release(lim.episodes.generation, "rate_limited", retry_after_s=0.5,
+                    round_trip_s=2.8)
+        assert lim.limit == 32
+        lim.in_flight += 1  # admitted 1 s after the cut: the wait was over
+        lim.release(lim.episodes.generation, "rate_limited", retry_after_s=0.5,
+                    round_trip_s=2.0)
+        assert lim.limit == 25
+
+    run(scenario())
+
+
 def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -> None:
     """The doubling from 32 to 64 overshot a provider that serves 40 at once:
     the cut keeps the 40 served in the last round trip (TCP Westwood), not

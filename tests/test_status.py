@@ -289,7 +289,7 @@ def test_the_llm_limits_and_open_batches_are_shown(few: Tree) -> None:
 
     store = StateStore(few.runs)
     store.load()
-    # What jobs records when an endpoint's limiter changes (llm_limit.describe).
+    # What jobs records when an endpoint's limiter changes (llm_endpoints.describe).
     store.note_daemon(llm_endpoint=("gpt-4o-mini@127.0.0.1:9", {"mode": "adaptive",
                                                                 "limit": 12}))
     store.note_daemon(llm_endpoint=("gpt-4o-mini@127.0.0.1:9", {"mode": "stated", "limit": 6,

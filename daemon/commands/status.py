@@ -153,7 +153,7 @@ def _daemon(runs: Path, pid: int | None, meta: dict[str, Any], totals: dict[str,
             "activity": activity, "backlog": backlog,
             # Adaptive concurrency: each endpoint's calls-at-once limit as last moved.
             "llm_limits": limits if isinstance(limits, dict) else {},
-            # What each endpoint's limiter does (llm_limit.describe), as last changed.
+            # What each endpoint's limiter does (llm_endpoints.describe), as last changed.
             "llm_endpoints": endpoints if isinstance(endpoints, dict) else {}}
 
 

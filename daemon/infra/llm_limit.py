@@ -53,7 +53,7 @@ whether the key works again; when it does, `llm.unblocked` and the calls go on.
 Quiet by default: state changes only, with counts. A slow-start doubling,
 the start of pacing and an episode's cut are `llm.limit_changed` (with the
 429s, holds and seconds held since the last line); the stated limit
-appearing, changing or going (GONE_AFTER replies without it) is
+appearing, changing or going (llm_headers.GONE_AFTER replies without it) is
 `llm.pacing`. A changed figure re-anchors the calls-at-once limit at once,
 in proportion (2400 -> 1200 a minute: half the calls); a cut begins a new
 episode. A step of one and each hold are debug lines only; Prometheus counts
@@ -102,13 +102,19 @@ class Usage:
 class Episodes:
     """Which 429s are one rate-limit episode, and what the provider served.
 
-    A cut begins an episode and a generation: the 429s of calls admitted
-    under an older generation are its own, and so are those within its
-    settling time (the wait the cutting 429 stated, at most EPISODE_S;
-    EPISODE_S when it stated none). Successes are kept by when they came
-    back, with a running mean of their round trip: the calls at once the
-    provider served in the last round trip (TCP Westwood's estimate), and,
-    read when a cut comes, the wall past which the limit only probes.
+    A cut begins an episode and a generation. A later 429 is the same
+    episode when its call was admitted under an older generation, or within
+    the settling time after the cut (the longest wait the cutting 429
+    stated: Retry-After, the requests' or the tokens' reset; at most
+    EPISODE_S, EPISODE_S when it stated none: before the provider could
+    refill, a refusal says nothing of the new limit), or when it comes back
+    less than a success's round trip after the cut (one cut a round trip at
+    most, as TCP: a provider refusing every call with `Retry-After: 0` in
+    50 ms must not take the limit to the floor in a second).
+    Successes are kept by when they came back, with a running mean of their
+    round trip: the calls at once the provider served in the last round trip
+    (TCP Westwood's estimate), and, read when a cut comes, the wall past
+    which the limit only probes.
     """
 
     def __init__(self, keep: int) -> None:
@@ -120,9 +126,11 @@ class Episodes:
         self._wall: int | None = None  # calls served in a round trip when the last cut came
         self._probes = 0  # windows of successes past that wall since the limit last grew
 
-    def same(self, generation: int, now: float) -> bool:
-        recent = self._cut_at is not None and now - self._cut_at < self._settle_s
-        return generation != self.generation or recent
+    def same(self, generation: int, admitted_at: float, now: float) -> bool:
+        if generation != self.generation or self._cut_at is None:
+            return generation != self.generation
+        return (admitted_at < self._cut_at + self._settle_s
+                or now < self._cut_at + (self._round_trip_s or 0.0))
 
     def begin(self, now: float, settle_s: float | None) -> int:
         """A new episode; the calls served in the last round trip."""
@@ -132,6 +140,14 @@ class Episodes:
         served = self.served(now)
         self._wall, self._probes = served or None, 0
         return served
+
+    def restated(self, now: float, *, lower: bool) -> None:
+        """The provider stated a new limit: what was served says nothing of it
+        (no wall); a lower one is an episode for the calls admitted before."""
+        if lower:
+            self.generation += 1
+            self._cut_at, self._settle_s = now, EPISODE_S
+        self._wall, self._probes = None, 0
 
     def success(self, now: float, round_trip_s: float | None) -> None:
         self._ok_at.append(now)
@@ -153,6 +169,13 @@ class Episodes:
             return False
         self._probes = 0
         return True
+
+
+def _longest_wait(window: RateWindow, retry_after_s: float | None) -> float | None:
+    """The longest wait a 429 stated (Retry-After, the requests' or the tokens' reset)."""
+    waits = [w for w in (retry_after_s, window.requests_reset_s, window.tokens_reset_s)
+             if w is not None]
+    return max(waits) if waits else None
 
 
 class Limiter:
@@ -244,9 +267,10 @@ class Limiter:
                 # A 429 that states the provider's window (its reset) holds the
                 # endpoint only as long as that window says (_pace, below); its
                 # Retry-After (whole seconds) is the refused call's own wait.
-                reset_s = read_rate_headers(headers).requests_reset_s if headers else None
-                self._cut(generation, retry_after_s if reset_s is None else None,
-                          settle_s=retry_after_s if reset_s is None else reset_s)
+                window = read_rate_headers(headers) if headers else RateWindow()
+                self._cut(generation, self.clock() - (round_trip_s or 0.0),
+                          retry_after_s if window.requests_reset_s is None else None,
+                          settle_s=_longest_wait(window, retry_after_s))
             if tokens > 0:
                 self._tokens_per_call += (tokens - self._tokens_per_call) * 0.2
             if headers or outcome == "ok":  # a reply without them: the headers may be gone
@@ -343,15 +367,16 @@ class Limiter:
         self._doubled = self.slow_start
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
 
-    def _cut(self, generation: int, retry_after_s: float | None, *,
+    def _cut(self, generation: int, admitted_at: float, retry_after_s: float | None, *,
              settle_s: float | None) -> None:
-        """A 429: hold for its Retry-After (`retry_after_s`) and, once per episode,
-        cut the limit; `settle_s`: the wait it stated, how soon a cut shows."""
+        """A 429 of a call admitted at `admitted_at`: hold for its Retry-After
+        (`retry_after_s`) and, once per episode, cut the limit; `settle_s`: the
+        longest wait it stated, how soon a cut can show (Episodes)."""
         slow_start, self.slow_start = self.slow_start, False
         if retry_after_s is not None and retry_after_s > 0:
             self._hold(retry_after_s, "Retry-After")
         now = self.clock()
-        same_episode = self.episodes.same(generation, now)
+        same_episode = self.episodes.same(generation, admitted_at, now)
         if self.pace.rate is not None:
             self.pace.rate_limited(now, new_episode=not same_episode)
         if same_episode:
@@ -415,8 +440,8 @@ class Limiter:
             self.pace.restart()
             new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
             if new < self.limit:  # the calls admitted under the old figure: this episode
-                self.episodes.begin(self.clock(), None)
                 self._successes = 0
+            self.episodes.restated(self.clock(), lower=new < self.limit)
             self.slow_start = False
             self.limit = new
             self._peak = self.in_flight + len(self._waiters)

@@ -317,7 +317,7 @@ class StateStore:
     def note_daemon(self, *, started_at: float | None = None, scanned_at: float | None = None,
                     llm_endpoint: tuple[str, dict[str, Any]] | None = None) -> None:
         """Record when the daemon started or finished a scan, what an endpoint's limiter
-        does now (llm_limit.describe; for `status`: written by the next flush)."""
+        does now (llm_endpoints.describe; for `status`: written by the next flush)."""
         with self.lock:
             self.started_at = started_at or self.started_at
             self.scanned_at = scanned_at or self.scanned_at

@@ -227,7 +227,7 @@ class Metrics:
             self.unchecked.labels(status).inc()
 
     def watch_limiters(self, limiters: Any) -> None:
-        """Export the LLM endpoints' limiters (llm_limit.Limiters), read at scrape time."""
+        """Export the LLM endpoints' limiters (llm_endpoints.Limiters), read at scrape time."""
         self.registry.register(_Limiters(limiters))
 
     def watch_flex(self, flex: Any) -> None:

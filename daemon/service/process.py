@@ -1,6 +1,6 @@
 """The daemon as a process: `skilltrain daemon`'s entry, signals, exit.
 
-    main: config -> preflight (nothing created on a bad one) -> log -> Daemon
+    main: config -> preflight (nothing created on a bad one) -> log -> Daemon (_build)
           -> start -> run_forever (or run_once) -> shutdown -> os._exit(code)
 
 Signal handlers only set the stop flag; a second SIGINT exits at once.
@@ -23,29 +23,14 @@ from .lifecycle import Daemon, preflight
 
 
 def main(config_path: Path | None, once: bool = False) -> int:
-    # No collection while litellm is imported (below, in Daemon): each full one
-    # walked the growing import again, ~0.9 s of CPU at start-up in all.
+    # No collection while litellm is imported (in Daemon): each full one walked
+    # the growing import again, ~0.9 s of CPU at start-up in all.
     gc.disable()
-    cfg = config.load(config_path)
-    if notice := config.defaults_notice(cfg):
-        print(f"skilltrain: {notice}", file=sys.stderr)
-    for note in cfg.renamed:
-        print(f"skilltrain: warning: {note}", file=sys.stderr)
     try:
-        # Before the log file (in runs/) is opened: a bad config creates nothing.
-        preflight(cfg, once=once)
-    except ConfigError as e:
-        _log_if_possible(cfg, e)
-        raise
-    runs_existed = cfg.paths.runs.is_dir()
-    # Before any thread is made: each inherits the CPU of the thread making it.
-    pinned = cpu.pin(cfg.daemon.cpu)
-    log.configure(log_file=cfg.log.file, level=cfg.log.level)
-    daemon = Daemon(cfg, once=once, runs_existed=runs_existed, pinned_cpu=pinned)
-    _freeze_start_up_objects()  # litellm's import: the first scan's collections skip it
-    gc.enable()
-    for note in cfg.renamed:
-        daemon.emit("config.renamed", level="warning", note=note)
+        daemon = _build(config_path, once)
+        _freeze_start_up_objects()  # litellm's import: the first scan's collections skip it
+    finally:
+        gc.enable()  # also when the build fails: cli.main may run inside another program
     _install_signal_handlers(daemon)
     try:
         daemon.start()
@@ -66,6 +51,29 @@ def main(config_path: Path | None, once: bool = False) -> int:
     # partial), and litellm's exit handlers take seconds: end the process now.
     logging_flush()
     os._exit(int(daemon.exit_code))
+
+
+def _build(config_path: Path | None, once: bool) -> Daemon:
+    """Config, preflight (nothing created on a bad one), log, the Daemon."""
+    cfg = config.load(config_path)
+    if notice := config.defaults_notice(cfg):
+        print(f"skilltrain: {notice}", file=sys.stderr)
+    for note in cfg.renamed:
+        print(f"skilltrain: warning: {note}", file=sys.stderr)
+    try:
+        # Before the log file (in runs/) is opened: a bad config creates nothing.
+        preflight(cfg, once=once)
+    except ConfigError as e:
+        _log_if_possible(cfg, e)
+        raise
+    runs_existed = cfg.paths.runs.is_dir()
+    # Before any thread is made: each inherits the CPU of the thread making it.
+    pinned = cpu.pin(cfg.daemon.cpu)
+    log.configure(log_file=cfg.log.file, level=cfg.log.level)
+    daemon = Daemon(cfg, once=once, runs_existed=runs_existed, pinned_cpu=pinned)
+    for note in cfg.renamed:
+        daemon.emit("config.renamed", level="warning", note=note)
+    return daemon
 
 
 def _freeze_start_up_objects() -> None:
