@@ -8,15 +8,15 @@ concurrency-limits:
   as many successes as the limit) until the first rate-limit episode;
 - then AIMD: one more after each window of successes, x0.8 on a 429 (or a
   503 that says Retry-After), once per rate-limit episode: the 429s of calls
-  admitted under a limit already cut, and any within the episode's settling
-  time of the last cut, are the same episode, not a collapse to the floor
-  (inspect_ai's adaptive connections: x0.8, 15 s). The settling time is the
-  wait the cutting 429 stated (its window's reset, else its Retry-After), at
-  most EPISODE_S, and EPISODE_S when it stated none: a provider whose bucket
-  refills in 25 ms shows within a round trip whether the cut was enough, and
-  a call admitted under the cut limit that is still refused then says it was
-  not (a 15 s debounce there let a limit 25 % too high run into the wall for
-  15 s: 4-13 % of calls refused in the bench);
+  admitted under a limit already cut, or admitted within the longest wait
+  the cutting 429 stated (at most EPISODE_S, EPISODE_S when it stated none),
+  or back within a success's round trip of the cut, are the same episode,
+  not a collapse to the floor (inspect_ai's adaptive connections: x0.8,
+  15 s; Episodes below). A provider whose bucket refills in 25 ms shows
+  within a round trip whether the cut was enough, and a call admitted under
+  the cut limit that is still refused then says it was not (a flat 15 s
+  debounce there let a limit 25 % too high run into the wall for 15 s: 4-13 %
+  of calls refused in the bench);
 - the first 429 ends slow start, and its cut also keeps no more calls than
   the provider served in the last round trip, and no fewer than half (the
   window before the doubling was all successes): TCP Westwood's estimate of
