@@ -89,6 +89,17 @@ def limiter(**kw: Any) -> tuple[Limiter, list[dict[str, Any]], Clock]:
     return lim, events, clock
 
 
+async def round_trip(lim: Limiter, clock: Clock, *, calls: int, ok: int) -> list[Slot]:
+    """`calls` slots taken; a second later, `ok` of them back as successes: the rest."""
+    slots = [Slot(lim) for _ in range(calls)]
+    for slot in slots:
+        await slot.take()
+    clock.now += 1.0
+    for slot in slots[:ok]:
+        slot.give_back("ok")
+    return slots[ok:]
+
+
 def run(coro: Any) -> Any:
     # On the daemon's loop: asyncio.run() would replace (and orphan) a loop
     # another library may have made for the main thread.
@@ -189,12 +200,7 @@ def test_refusals_faster_than_a_round_trip_cut_once_a_round_trip() -> None:
     async def scenario() -> None:
         lim, _, clock = limiter()
         lim.limit, lim.slow_start = 40, False
-        slots = [Slot(lim) for _ in range(40)]
-        for slot in slots:
-            await slot.take()
-        clock.now += 1.0
-        for slot in slots:  # a round trip of one second
-            slot.give_back("ok")
+        await round_trip(lim, clock, calls=40, ok=40)
         lim.limit = 40
         for _ in range(60):  # three seconds of refusals, each back in 50 ms
             slot = Slot(lim)
@@ -261,15 +267,10 @@ def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -
                 clock.now += 1.0
                 for g in gens:
                     lim.release(g, "ok", round_trip_s=1.0)
-            slots = [Slot(lim) for _ in range(64)]
-            for slot in slots:
-                await slot.take()
-            clock.now += 1.0  # a round trip of one second
-            for slot in slots[:served]:
-                slot.give_back("ok")
+            rest = await round_trip(lim, clock, calls=64, ok=served)
             assert lim.slow_start and lim.limit == 64
             clock.now += 0.01
-            slots[served].give_back("rate_limited")
+            rest[0].give_back("rate_limited")
             assert lim.limit == expected and not lim.slow_start
             assert events[-1]["served_in_round_trip"] == served
             clock.now += 2.0  # successes older than a round trip are not counted
@@ -285,14 +286,9 @@ def test_past_the_last_wall_the_limit_grows_one_every_four_windows() -> None:
     async def scenario() -> None:
         lim, _, clock = limiter()
         lim.limit, lim.slow_start = 50, False
-        slots = [Slot(lim) for _ in range(50)]
-        for slot in slots:
-            await slot.take()
-        clock.now += 1.0
-        for slot in slots[:42]:  # 42 served in the round trip, then a 429
-            slot.give_back("ok", headers={})
-        slots[42].give_back("rate_limited", retry_after_s=0.01)
-        for slot in slots[43:]:
+        rest = await round_trip(lim, clock, calls=50, ok=42)  # then a 429
+        rest[0].give_back("rate_limited", retry_after_s=0.01)
+        for slot in rest[1:]:
             slot.give_back("ok")
         assert lim.limit == 40
         clock.now += 0.1  # past the Retry-After
