@@ -439,9 +439,10 @@ class Limiter:
         if was and now and was != now:
             self.pace.restart()
             new = max(self.floor, min(self.ceiling, round(self.limit * now / was)))
-            if new < self.limit:  # the calls admitted under the old figure: this episode
+            lower = new < self.limit  # the calls admitted under the old figure: this episode
+            if lower:
                 self._successes = 0
-            self.episodes.restated(self.clock(), lower=new < self.limit)
+            self.episodes.restated(self.clock(), lower=lower)
             self.slow_start = False
             self.limit = new
             self._peak = self.in_flight + len(self._waiters)
