@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +25,9 @@ from skilltrain.daemon.reviewer import (
     craft_provider,
     craft_report,
 )
+
+EXAMPLE_EPISODES = sorted((Path(__file__).resolve().parent.parent / "data" / "example")
+                          .glob("*/ep*.txt"))
 
 # Hand-counted: 51 words in all (CONT'D is one word, V.O. two), three scenes of
 # 19, 9 and 1 words (headings and cues excluded), four speeches.
@@ -241,6 +246,26 @@ def test_parse_screenplay_counts_a_hand_made_episode() -> None:
     assert b.action_blocks == (8, 1, 5)  # "BANG." stands alone: action, not a cue
     assert b.transitions == 2
     assert b.exclamations == 1
+
+
+# Characters where the fast count could part from the regex: apostrophes of
+# both kinds and runs of them, typography, Unicode letters and digits, the
+# breaks only str.splitlines() knows, underscores, CR/LF.
+_WORD_EDGES = ("ab9Z'''\u2019\u2018\u201c\u201d\u2014\u2013\u2026\u00a0"
+               "\u00e9\u00df_-. \t\n\r\x0b\x1c\u2028\u0663")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_line_word_counts_matches_the_regex_line_by_line(seed: int) -> None:
+    rng = random.Random(seed)
+    texts = [SMALL, *(p.read_text(encoding="utf-8") for p in EXAMPLE_EPISODES)]
+    texts += ["".join(rng.choice(_WORD_EDGES) for _ in range(rng.randrange(80)))
+              for _ in range(3000)]
+    # The ASCII and the typography paths each taken, not only the fallback.
+    texts += ["".join(rng.choice("ab9'\u2019\u2014 .\n") for _ in range(60)) for _ in range(1000)]
+    for text in texts:
+        expected = [craft_parsing.count_words(line) for line in text.splitlines()]
+        assert craft_parsing.line_word_counts(text) == expected, repr(text)
 
 
 def test_measure_pools_episodes_with_exact_values() -> None:
