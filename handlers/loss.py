@@ -230,7 +230,7 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                   **_facts(human_stats, model_stats))
     slot = f"[model-scripts-{secrets.token_hex(8)}]"  # where the archive's model block goes
     prompt = template.render(human_scripts=human_block, **fields)
-    placeholder = _placeholder(human)
+    placeholder = _placeholder(human, human_stats.words, hashes.human)
     archive = template.render(human_scripts=placeholder, **fields)
     skeleton = template.render(human_scripts=placeholder, **{**fields, "model_scripts": slot})
     messages = build_messages(prompt, model_block, settings.model)
@@ -400,13 +400,14 @@ def build_messages(prompt: str, model_block: str, model: str) -> list[llm.Messag
     ]}]
 
 
-def _placeholder(human: dict[int, str]) -> str:
-    """What the archive shows instead of the answer key: what was removed, not what it said."""
-    words = sum(len(text.split()) for text in human.values())
+def _placeholder(human: dict[int, str], words: int, digest: str) -> str:
+    """What the archive shows instead of the answer key: what was removed, not what it
+    said. `words` and `digest`: as measured and hashed already (the human side's
+    stats are kept per digest, so this costs no pass over the text)."""
     numbers = sorted(human)
     return (f"[human screenplay omitted from this archive: episodes "
             f"{numbers[0]:02d}-{numbers[-1]:02d}, {len(numbers)} files, {words:,} words, "
-            f"sha256 {dataset.episodes_digest(human)[:16]}. The answer key never enters runs/.]")
+            f"sha256 {digest[:16]}. The answer key never enters runs/.]")
 
 
 def _guard(report: str, job: LossJob, seal: sealed_write.Seal,

@@ -28,6 +28,7 @@ from skilltrain.daemon.core.errors import ConfigError, LLMError, RefusedError
 from skilltrain.daemon.core.templates import PromptTemplates
 from skilltrain.daemon.guard import leakguard
 from skilltrain.daemon.infra import llm
+from skilltrain.daemon.reviewer import craft_distance
 from skilltrain.handlers import loss
 from tests.llm_server import LLMServer, Reply
 
@@ -246,7 +247,8 @@ def test_archive_holds_no_human_line_and_says_what_was_omitted(
     assert [line for line in lines if line in archive] == []
     assert "=== Human EP" not in archive
     human = dataset.read_range(EXAMPLE / "human", 1, 3, label="human")
-    words = sum(len(t.split()) for t in human.values())
+    # Counted as the craft statistics count them (the prompt's facts table).
+    words = craft_distance.measure_pair(human, human)[0].words
     assert "[human screenplay omitted from this archive: episodes 01-03, 3 files" in archive
     assert f"{words:,} words" in archive
     assert dataset.episodes_digest(human)[:16] in archive

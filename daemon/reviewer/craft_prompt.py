@@ -56,9 +56,10 @@ def format_episodes(kind: str, episodes: Mapping[int, str]) -> str:
         if not body:
             raise CraftMetricsError(f"{kind} episode {n:02d} is empty")
         # A header-like line inside an episode would split or cut it when parsed.
-        for line in body.splitlines():
-            if _HEADER_RE.match(line.strip()) or _END_RE.match(line.strip()):
-                raise CraftMetricsError(f"{kind} episode {n:02d} contains an episode marker line")
+        # Both kinds open with "===": an episode without it has none (one C call).
+        if "===" in body and any(_HEADER_RE.match(line.strip()) or _END_RE.match(line.strip())
+                                 for line in body.splitlines()):
+            raise CraftMetricsError(f"{kind} episode {n:02d} contains an episode marker line")
         parts.append(f"{header.format(n=n)}\n\n{body}")
     parts.append(END_MARKER.format(kind=kind.capitalize()))
     return "\n\n".join(parts)
