@@ -746,3 +746,22 @@ def test_the_markup_reading_has_the_words_of_its_own_text() -> None:
                      for w in re.findall(r"[^\W_]+(?:'+[^\W_]+)*", view.text)]
             assert view.tokens == fresh, text
             assert len(view.token_spans()) == len(view.tokens), text
+
+
+def test_marks_alone_are_cut_as_the_offsets_reading_cuts_them() -> None:
+    # Without offsets, a text whose only markup is marks (`*_~\\) is joined by
+    # one regex pass: the same words as the cut-by-cut reading, letters,
+    # digits, apostrophes, escapes and non-ASCII around the marks included.
+    import random
+
+    rng = random.Random(36)
+    pieces = ["ab", "Cd", "x", "9", "'", "''", " ", "`", "*", "**", "_", "~", "\\", ".",
+              "\n", "don't", "\u00e9", "\u00df", "\u0663", "&amp;", "%41", "\u200b", "\uff46"]
+    joined = 0
+    for _ in range(4000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30)))
+        plain, offsets = textnorm.readings(text), textnorm.readings(text, offsets=True)
+        assert [(v.text, v.tokens) for v in plain] == [(v.text, v.tokens) for v in offsets], text
+        unmarked = text.translate(str.maketrans("", "", "`*_~\\"))
+        joined += len(plain) > len(textnorm.readings(unmarked))
+    assert joined > 1000  # the marks' reading was made, not only the plain one

@@ -187,6 +187,10 @@ _WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
 # marks, a backtick typed for an apostrophe, a hyphen where a line broke a word.
 _HYPHEN_BREAK = re.compile(r"-\r?\n[ \t]*")
 _TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]{0,20}(?:\s[^<>]{0,200})?/?>|<!--.{0,200}?-->", re.S)
+# _cuts' rule for the marks alone: a run of them with a letter or digit on
+# both sides ([^\W_] is str.isalnum). A mark first, then what is before it:
+# sre then skips to the marks instead of trying the class at every character.
+_MARK_RUN = re.compile(r"[`*_~\\](?<=[^\W_][`*_~\\])[`*_~\\]*(?=[^\W_])")
 # A soft hyphen where a line breaks (and the spaces around the break).
 _SOFT_BREAK = re.compile(r"\u00ad[ \t]*\r?\n[ \t]*")
 
@@ -340,12 +344,22 @@ def _joined(reading: Reading, offsets: bool) -> Reading | None:
     tell `what_in_the_world` (words joined) from `grab_bed` (a word split),
     so this is a second reading beside the one that splits there: a quote
     found in either counts. `focus`: the joined words, the only ones whose
-    shingles differ from the first reading's.
+    shingles differ from the first reading's (None for marks alone without
+    offsets: cut in one pass, the reading is read whole).
     """
     text = reading.text
     # One C scan per mark first: most texts have none.
     if not (any(c in text for c in "`*_~\\<") or "-\n" in text or "-\r\n" in text):
         return None
+    if not offsets and "<" not in text and "-\n" not in text and "-\r\n" not in text:
+        # Marks only (a sidecar's every "tokens_in", a Markdown table's
+        # `names`): one regex pass cuts them all, one split reads the words.
+        # No focus: the guard reads this reading whole, in C, instead of
+        # finding the words around each cut in Python (~1.5 us a cut).
+        low = _MARK_RUN.sub("", text)
+        if len(low) == len(text):
+            return None
+        return Reading(reading.original, low, None, None, _words(low))
     cuts = _cuts(text)
     if not cuts:
         return None
