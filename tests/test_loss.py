@@ -396,6 +396,20 @@ def test_answer_key_passage_across_the_seam_of_template_and_model_block_is_refus
     assert_nothing_written(seam, tmp_path)
 
 
+def test_model_block_opening_with_a_line_of_the_key_is_archived(
+    job: loss.LossJob, settings: SettingsFactory
+) -> None:
+    """The model's own text may say what the key says (a shared scene heading,
+    a line both writers wrote): at the block's edge, beside the template's
+    text, it is allowed as the block's text, not refused as the template's."""
+    first = job.scripts_dir / "ep01.txt"
+    first.write_text(f"{HUMAN_LINE}\n\n" + first.read_text(encoding="utf-8"), encoding="utf-8")
+
+    run(job, settings())
+
+    assert HUMAN_LINE in job.archive_path.read_text(encoding="utf-8")
+
+
 # --------------------------------------------------------------------------- input refusals
 
 

@@ -119,6 +119,12 @@ class _Allowed:
         return cls(frozenset(shingle_hashes(toks, index.n)),
                    frozenset(shingle_hashes(toks, index.long_n)))
 
+    @classmethod
+    def union(cls, parts: Iterable[_Allowed]) -> _Allowed:
+        both = list(parts)
+        return cls(frozenset().union(*(a.short for a in both)),
+                   frozenset().union(*(a.long for a in both)))
+
 
 _recent_allowed: dict[tuple[str, int, str], _Allowed] = {}
 _RECENT_ALLOWED = 8
@@ -140,16 +146,21 @@ def _allowed(text: str, index: HumanIndex) -> _Allowed:
     return found
 
 
-def find_leaks(text: str, index: HumanIndex, *, allow_text: str = "",
+def find_leaks(text: str, index: HumanIndex, *, allow_text: str | tuple[str, ...] = "",
                views: Sequence[Reading] | None = None) -> list[Leak]:
     """Every span of `text` that reproduces the indexed human text, in order.
 
     Spans that also occur in `allow_text` (the model's own episodes) are not
-    leaks: a report may quote the model it is judging. `views`:
-    textnorm.readings(text), when the caller has them already.
+    leaks: a report may quote the model it is judging. A tuple: pieces of
+    the model's text, each read alone (no run spans two; not kept for reuse).
+    `views`: textnorm.readings(text), when the caller has them already.
     """
     if views is None:
         views = textnorm.readings(text)
+    if isinstance(allow_text, tuple):
+        pieces = allow_text
+        return _find(text, views, index, lambda: _Allowed.union(
+            _Allowed.of(piece, index) for piece in pieces))
     return _find(text, views, index, lambda: _allowed(allow_text, index))
 
 
