@@ -330,3 +330,43 @@ def test_what_is_appended_after_the_guard_is_read_with_the_words_before_it(
     with pytest.raises(sealed_write.SealRefused):
         sealed_write.write_all({tmp_path / "r.md": f"{report} {' '.join(words[7:])}\n"}, seal)
     assert not (tmp_path / "r.md").exists()
+
+
+def test_an_archive_piece_read_before_is_read_again_at_its_seams(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The template's text before the model's episodes is the same for every
+    # step: once found clean it is not read again, but a quote that starts at
+    # its end and runs on into the text beside it is still a quote.
+    index = leakguard.index_for("beauty", KEY)
+    words = adversarial.LONG_COMMON[1].split()
+    slot = "[model-scripts-0]"
+    head = "Compare the two screenplays and write the report.\n\n" * 40
+    block = "DEV\nWe go at dawn, before the tide.\n" * 30
+
+    def archive(end_of_head: str, block_start: str = "") -> sealed_write.Archive:
+        skeleton = f"{head}{end_of_head}\n{slot}\n=== End ===\n"
+        text = block_start + block
+        return sealed_write.Archive(skeleton.replace(slot, text), skeleton, slot, text)
+
+    read: list[int] = []
+    real_find = leakguard.find_leaks
+    monkeypatch.setattr(leakguard, "find_leaks",
+                        lambda text, *a, **k: read.append(len(text)) or real_find(text, *a, **k))
+    clean = archive(" ".join(words[:4]))  # four words of the line: no leak alone
+    for _ in range(3):  # seen, then read alone, then known
+        read.clear()
+        assert not sealed_write.Seal(index).archive_leaks(clean)
+    assert max(read, default=0) < len(head) // 2, read  # known: only its edges were read
+    # The same piece before a block that opens with the rest of the line.
+    seam = archive(" ".join(words[:4]), block_start=" ".join(words[4:]) + "\n")
+    assert sealed_write.Seal(index).archive_leaks(seam)
+    # And at the far seam: the block ends with the line's start, the piece
+    # after it (known clean too) goes on with the rest.
+    rest = " ".join(words[7:])  # seven words: no leak alone
+    skeleton = f"{head}\n{slot} {rest}\n=== End ===\n"
+    for _ in range(3):
+        assert not sealed_write.Seal(index).archive_leaks(
+            sealed_write.Archive(skeleton.replace(slot, block), skeleton, slot, block))
+    ending = block + " ".join(words[:7])
+    assert sealed_write.Seal(index).archive_leaks(
+        sealed_write.Archive(skeleton.replace(slot, ending), skeleton, slot, ending))

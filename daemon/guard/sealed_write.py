@@ -21,9 +21,11 @@ allowed (`write_text`). tests/test_structure.py finds any other writer.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..core import atomic
 from ..core.errors import RefusedError
@@ -102,6 +104,16 @@ class Seal:
         head, tail = _edges(archive.block, self.index.long_n)
         for k, piece in enumerate(pieces):
             before, after = (tail if k > 0 else ""), (head if k < len(pieces) - 1 else "")
+            if _clean_pieces.holds(self.index, piece):
+                # Clean alone (the template's text before the model's episodes is
+                # the same for every step of a range): only runs across a seam
+                # are new, and each lies in the piece's edge and the block's.
+                first, last = _edges(piece, self.index.long_n)
+                seams = [(before + first, (before,)), (last + after, (after,))]
+                if any(leakguard.find_leaks(text, self.index, allow_text=allow)
+                       for text, allow in seams if allow[0]):
+                    return True
+                continue
             # Allowed: the block's text that stands in this text, its edges, each
             # read alone (built only on a hit). A run of the block that is not
             # in an edge is not in this text either. The whole block's shingles,
@@ -110,7 +122,53 @@ class Seal:
             if leakguard.find_leaks(before + piece + after, self.index,
                                     allow_text=(before, after)):
                 return True
+            if _clean_pieces.seen_again(self.index, piece) and not leakguard.find_leaks(
+                    piece, self.index):
+                _clean_pieces.add(self.index, piece)
         return False
+
+
+class _CleanPieces:
+    """Archive pieces found clean with nothing allowed, per key: the template's
+    text before the model's episodes is the same for every step of a range,
+    so it is read alone the second time it is seen and then no more (a
+    piece seen once, the model's facts, costs a lookup). The key's digest is
+    part of the entry: a changed key knows none of its old pieces. Sizes:
+    a step's ranges, twice (seen: each job's pieces, by hash only)."""
+
+    def __init__(self, clean: int, seen: int) -> None:
+        self._clean: dict[tuple[str, int, int, str], None] = {}
+        self._seen: dict[int, None] = {}
+        self._sizes = clean, seen
+        self._lock = threading.Lock()  # the job pool's threads share it
+
+    def holds(self, index: HumanIndex, piece: str) -> bool:
+        return _entry(index, piece) in self._clean
+
+    def seen_again(self, index: HumanIndex, piece: str) -> bool:
+        entry = hash(_entry(index, piece))  # a collision costs one reading, no more
+        with self._lock:
+            if entry in self._seen:
+                return True
+            _bounded_put(self._seen, entry, self._sizes[1])
+            return False
+
+    def add(self, index: HumanIndex, piece: str) -> None:
+        with self._lock:
+            _bounded_put(self._clean, _entry(index, piece), self._sizes[0])
+
+
+def _entry(index: HumanIndex, piece: str) -> tuple[str, int, int, str]:
+    return index.digest, index.n, index.long_n, piece
+
+
+def _bounded_put(items: dict[Any, None], entry: object, size: int) -> None:
+    while len(items) >= size:  # the oldest first: a dict keeps insertion order
+        del items[next(iter(items))]
+    items[entry] = None
+
+
+_clean_pieces = _CleanPieces(clean=256, seen=4096)
 
 
 def _edges(block: str, words: int) -> tuple[str, str]:

@@ -340,6 +340,7 @@ def configure(
         raise ValueError(f"stderr_format {stderr_format!r}: allowed auto, json, console")
     numeric = LEVELS[level.lower()]
     _configure_structlog()
+    _skip_unused_record_fields()
 
     shutdown()
     root = logging.getLogger()
@@ -368,6 +369,16 @@ def configure(
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(noisy_level)
     adopt_library_loggers()
+
+
+def _skip_unused_record_fields() -> None:
+    """No line shows a record's caller, thread or process: stdlib logging is
+    told not to look them up for every record (the logging HOWTO's
+    "Optimization" table; the caller is a walk up the stack per line)."""
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
 
 
 def shutdown() -> None:

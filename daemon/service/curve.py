@@ -8,6 +8,7 @@ distance fields from here, and the loop its stop rules' distances.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -56,8 +57,15 @@ def _marked_steps(markers: Path) -> list[tuple[tuple[int, int], str]]:
         names = os.listdir(markers)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
-    return sorted(((int(m.group(1)), int(m.group(2))), name)
-                  for name in names if (m := layout.STEP_MARKER_NAME.fullmatch(name)))
+    return sorted((at, name) for name in names if (at := _marker_step(name)) is not None)
+
+
+@functools.lru_cache(maxsize=16384)
+def _marker_step(name: str) -> tuple[int, int] | None:
+    """(epoch, step) of a marker's file name, else None. Cached: every step
+    reported lists the run's markers, and the names seldom change."""
+    m = layout.STEP_MARKER_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _previous_reported(runs: Path, step: layout.StepKey) -> tuple[int, int] | None:
