@@ -86,6 +86,13 @@ def cue_name(line: str) -> str | None:
     s = line.strip()
     if is_scene_heading(s) or is_transition(s):
         return None
+    return _cue_of(s)
+
+
+def _cue_of(s: str) -> str | None:
+    """cue_name of a stripped line known to be no heading and no transition."""
+    if "(" not in s and s != s.upper():  # most lines: lower case, and no extension
+        return None
     # The extension may be lower case, "(into phone)"; the name itself may not.
     name = " ".join(_CUE_EXTENSION_RE.sub(" ", s).rstrip("^ ").split())
     if not name or name != name.upper() or len(name) > 30 or len(name.split()) > 4:
@@ -159,7 +166,7 @@ def _starts_speech(lines: _Lines, i: int, after_blank: bool) -> str | None:
     # Fountain's rule: a cue follows a blank line and is followed by its dialogue.
     if not after_blank or lines.speech_end(i + 1):
         return None
-    return cue_name(lines.text[i])
+    return _cue_of(lines.text[i])  # the caller has ruled out a heading and a transition
 
 
 def parse_screenplay(text: str) -> Breakdown:
