@@ -210,13 +210,18 @@ class Jobs:
     async def _run_paid(self, ticket: Ticket, finish: Finish) -> Decision:
         """A batch reply, paid for: no slot, no still-wanted check (finish compares
         the input hashes); the same outcomes as a live reply."""
+        return await self._in_pool(self._finish_and_decide, ticket, finish)
+
+    def _finish_and_decide(self, ticket: Ticket, finish: Finish) -> Decision:
+        """A reply checked and written, then its outcome decided, in one turn of
+        the pool: each turn wakes a pool thread and then the loop."""
         result: loss.LossResult | None = None
         error: BaseException | None = None
         try:
-            result = await self._in_pool(finish)
+            result = finish()
         except EXPECTED as e:
             error = e
-        return await self._in_pool(self.pipeline.decide, ticket, result, error)
+        return self.pipeline.decide(ticket, result, error)
 
     def _check_wanted(self, ticket: Ticket) -> None:
         """Is a queued job still to run, now that it has a slot? Raises NotWanted if not."""
@@ -246,8 +251,6 @@ class Jobs:
             self._waiting.discard(task)
         self.in_call += 1
         try:
-            result: loss.LossResult | None = None
-            error: BaseException | None = None
             try:
                 prepared, settings = await self._in_pool(self._prepare, ticket, outcome)
 
@@ -258,11 +261,11 @@ class Jobs:
                 completion = await llm_flex.complete(
                     self.complete, prepared.messages, settings, watch=self.flex,
                     on_retry=retry, sleep=self._interruptible_sleep, slot=slot)
-                # Checks, guard, re-read, then the atomic write: in the pool.
-                result = await self._in_pool(self.pipeline.finish, prepared, completion)
             except EXPECTED as e:
-                error = e
-            return await self._in_pool(self.pipeline.decide, ticket, result, error)
+                return await self._in_pool(self.pipeline.decide, ticket, None, e)
+            # Checks, guard, re-read, then the atomic write: in the pool.
+            return await self._in_pool(self._finish_and_decide, ticket,
+                                       lambda: self.pipeline.finish(prepared, completion))
         finally:
             slot.give_back()
             self.in_call -= 1
