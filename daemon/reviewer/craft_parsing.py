@@ -122,92 +122,79 @@ class Breakdown:
     exclamations: int
 
 
-@dataclass(frozen=True)
-class _Lines:
-    """An episode's lines, stripped, with what each line is asked more than once:
-    its word count and whether it is a scene heading."""
-
-    text: tuple[str, ...]
-    words: tuple[int, ...]
-    heading: tuple[bool, ...]
-
-    @classmethod
-    def of(cls, episode: str) -> _Lines:
-        text = tuple(line.strip() for line in episode.splitlines())
-        return cls(
-            text=text,
-            # A word never spans a line break, so the lines' counts add up to the text's.
-            words=tuple(line_word_counts(episode)),
-            heading=tuple(bool(s) and _HEADING_RE.match(s) is not None for s in text),
-        )
-
-    def speech_end(self, i: int) -> bool:
-        return i >= len(self.text) or not self.text[i] or self.heading[i]
-
-
-def _read_speech(lines: _Lines, start: int, name: str) -> tuple[Speech, int]:
-    """Read the speech whose cue is line `start`; return it and the next line index."""
-    words = parens = 0
-    question = in_paren = False
-    i = start + 1
-    while not lines.speech_end(i):
-        s = lines.text[i]
-        if in_paren or s.startswith("("):
-            parens += 0 if in_paren else 1
-            in_paren = not s.endswith(")")
-        else:
-            words += lines.words[i]
-            question = question or "?" in s
-        i += 1
-    return Speech(name, words, parens, question), i
-
-
-def _starts_speech(lines: _Lines, i: int, after_blank: bool) -> str | None:
-    # Fountain's rule: a cue follows a blank line and is followed by its dialogue.
-    if not after_blank or lines.speech_end(i + 1):
-        return None
-    return _cue_of(lines.text[i])  # the caller has ruled out a heading and a transition
-
-
 def parse_screenplay(text: str) -> Breakdown:
-    """Split an episode into scenes, speeches, action paragraphs and transitions."""
-    lines = _Lines.of(text)
+    """Split an episode into scenes, speeches, action paragraphs and transitions.
+
+    One pass over the stripped lines, each line's word count taken once
+    (line_word_counts). A speech is a cue after a blank line with a line of
+    dialogue under it (Fountain's rule), and runs to a blank line or a scene
+    heading. Written out in one function: this loop is most of a job's own
+    CPU after the LLM call's (bench/RESULTS.md, issue 36).
+    """
+    lines = [line.strip() for line in text.splitlines()]
+    words = line_word_counts(text)  # a word never spans a line break
+    heading = [bool(s) and _HEADING_RE.match(s) is not None for s in lines]
+    n = len(lines)
     scenes: list[int] = []
     speeches: list[Speech] = []
     blocks: list[int] = []
     transitions = 0
     after_blank, in_action = True, False
     i = 0
-    while i < len(lines.text):
-        s = lines.text[i]
+    while i < n:
+        s = lines[i]
         if not s:
             after_blank, in_action = True, False
-        elif lines.heading[i]:
+        elif heading[i]:
             scenes.append(0)
             after_blank, in_action = True, False
-        elif _TRANSITION_RE.match(s):
+        elif s.isupper() and _TRANSITION_RE.match(s):  # a transition has no lower case
             transitions += 1
             after_blank, in_action = True, False
-        elif (name := _starts_speech(lines, i, after_blank)) is not None:
-            speech, end = _read_speech(lines, i, name)
-            speeches.append(speech)
+        elif (after_blank and i + 1 < n and lines[i + 1] and not heading[i + 1]
+              and (name := _cue_of(s)) is not None):
+            end = _speech_end(lines, heading, i + 1)
+            speeches.append(_speech(name, lines, words, i + 1, end))
             if scenes:
-                scenes[-1] += sum(lines.words[i + 1 : end])
+                scenes[-1] += sum(words[i + 1 : end])
             i, after_blank, in_action = end, False, False
             continue
         else:
             if not in_action:
                 blocks.append(0)
-            blocks[-1] += lines.words[i]
+            blocks[-1] += words[i]
             if scenes:
-                scenes[-1] += lines.words[i]
+                scenes[-1] += words[i]
             after_blank, in_action = False, True
         i += 1
     return Breakdown(
-        words=sum(lines.words),
+        words=sum(words),
         scene_words=tuple(scenes),
         speeches=tuple(speeches),
         action_blocks=tuple(blocks),
         transitions=transitions,
         exclamations=text.count("!"),
     )
+
+
+def _speech_end(lines: list[str], heading: list[bool], i: int) -> int:
+    """The first line from `i` that ends a speech: blank, a heading, or the end."""
+    n = len(lines)
+    while i < n and lines[i] and not heading[i]:
+        i += 1
+    return i
+
+
+def _speech(name: str, lines: list[str], words: list[int], start: int, end: int) -> Speech:
+    """The speech whose dialogue is lines start..end-1."""
+    spoken = parens = 0
+    question = in_paren = False
+    for k in range(start, end):
+        s = lines[k]
+        if in_paren or s.startswith("("):
+            parens += 0 if in_paren else 1
+            in_paren = not s.endswith(")")
+        else:
+            spoken += words[k]
+            question = question or "?" in s
+    return Speech(name, spoken, parens, question)
