@@ -429,10 +429,14 @@ def adopt_library_loggers() -> None:
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
-    """A structlog logger writing through the handlers configure() installed."""
+    """A structlog logger writing through the handlers configure() installed.
+
+    Bound here, not a lazy proxy: a proxy binds anew (and asks logging for the
+    logger by name) at every call. Safe because structlog is configured once,
+    just above, and never again; configure() only swaps the handlers."""
     if not _structlog_ready:
         _configure_structlog()
-    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
+    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name).bind()
     return logger
 
 
