@@ -93,7 +93,7 @@ def live(root: Path, poll_s: float, provider: str, tier: str | None = None) -> d
         ws = workspace(root, server, "live", poll_s, tier)
         with DaemonProcess(ws, "--once") as d:
             assert d.wait(300) == 0, d.stderr()[-2000:]
-            ready = max(wall(e) for e in ws.events("set.ready"))
+            ready = max(wall(e) for e in ws.events("loss.queued"))
             (reported,) = ws.events("step.reported")
         assert server.live_requests == 12
         return {"cost": cost(ws), "latency_s": wall(reported) - ready}

@@ -323,7 +323,7 @@ def test_a_run_folder_named_with_a_line_of_the_key_is_not_scored(
     assert ws.has_report(ws.sets_of_step("r1", 0, 0)[0])  # the other run is scored
     (refused,) = ws.events("set.unusable")
     assert "quotes the answer key" in refused["reason"]
-    assert not [e for e in ws.events("set.ready") if e["run"] != "r1"]
+    assert not [e for e in ws.events("loss.queued") if e["run"] != "r1"]
     saved = ws.state_file.read_bytes().decode("utf-8", "replace")
     assert "quotes the answer key" in saved and not human_runs(saved)
     assert_sealed(ws)
@@ -362,4 +362,4 @@ def test_a_key_edited_while_the_daemon_runs_is_guarded_in_the_log_without_a_rest
     log = ws.log_file.read_text(encoding="utf-8")
     assert "[verbatim answer-key passage removed]" in log
     assert "sextant" not in log and "tallow" not in log
-    assert not [e for e in ws.events("set.ready") if e["run"] != "r1"]
+    assert not [e for e in ws.events("loss.queued") if e["run"] != "r1"]

@@ -155,7 +155,7 @@ def test_a_batch_the_provider_does_not_accept_is_sent_again_after_a_backoff(
     wait_until(all_reported(ws), 60, message="every set reported")
     assert server.rejected == 2 and server.creates == 1 and len(server.billed) == 3
     assert len(ws.events("batch.error")) == 2 and not ws.events("batch.gave_up")
-    assert len(ws.events("set.ready")) == 9  # each set sent three times
+    assert len(ws.events("loss.queued")) == 9  # each set sent three times
     assert not ws.events("loss.failed")  # the sets did not fail: the batch was not accepted
 
 

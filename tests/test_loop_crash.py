@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 SEED = 1616
 KILL_AFTER = ["writer.started", "loss.started", "optimizer.started"]
 STEPS = [(e, s) for e in range(2) for s in range(3)]
-STAGE_EVENTS = {"writer.started", "writer.output", "writer.finished", "set.ready",
+STAGE_EVENTS = {"writer.started", "writer.output", "writer.finished", "loss.queued",
                 "loss.started", "loss.completed", "step.reported", "optimizer.started",
                 "optimizer.output", "optimizer.finished", "run.advanced"}
 # A child imports litellm (~6 s, more on a busy machine) before its first loss job.
