@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -34,18 +34,17 @@ def write_all(files: Mapping[Path, str | bytes]) -> None:
     seen and the set is redone.
     """
     temps: list[tuple[str, Path]] = []
-    mode = 0o666 & ~_umask()  # mkstemp makes 0600; the umask decides
     try:
+        for folder in dict.fromkeys(path.parent for path in files):
+            folder.mkdir(parents=True, exist_ok=True)  # once a folder, not once a file
         for path, text in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", suffix=".tmp",
-                                       dir=path.parent)
+            fd, tmp = _create_temp(path)
             temps.append((tmp, path))
-            with os.fdopen(fd, "wb") as f:
-                f.write(text.encode("utf-8") if isinstance(text, str) else text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
+            try:
+                _write_fully(fd, text.encode("utf-8") if isinstance(text, str) else text)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except BaseException:
         for tmp, _ in temps:
             with contextlib.suppress(FileNotFoundError):
@@ -65,17 +64,33 @@ def write_all(files: Mapping[Path, str | bytes]) -> None:
         fsync_dir(directory)
 
 
-def _umask() -> int:
-    """The process umask, read without setting it (os.umask would change it for
-    every thread for an instant)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
+# Temp names only have to differ from each other: O_EXCL refuses a taken one
+# and the next is tried. A process's own generator, no syscall a name (a
+# forked child repeating its parent's names just tries again).
+_names = random.Random()
+_TRIES = 100
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new empty temp file beside `path`, opened for writing. Mode 0666 less
+    the umask, as the kernel applies it at creation: a report is made as
+    `open()` would make it (tempfile.mkstemp's 0600 needed a chmod, and the
+    umask read from /proc, for every file)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    for _ in range(_TRIES):
+        tmp = f"{path.parent}/{TEMP_PREFIX}{path.name}.{_names.getrandbits(48):012x}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temp name beside {path} in {_TRIES} tries")
+
+
+def _write_fully(fd: int, data: bytes) -> None:
+    """All of `data` (os.write may write less than asked: a signal, a pipe)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def fsync_dir(directory: Path) -> None:
