@@ -22,6 +22,7 @@ litellm costs ~5 s to import, so it is imported on first use only; `status`,
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import threading
@@ -117,6 +118,15 @@ def count_tokens(model: str, messages: Sequence[Message]) -> int:
 
 def max_input_tokens(model: str) -> int | None:
     """The model's input window, or None when litellm does not know the model."""
+    # Asked for every job; litellm's answer for a model it does not know (a
+    # local server's) is a search of its whole map (~0.1 ms) that ends in an
+    # exception. Asked again only when the map changed (register_model).
+    cost_map = litellm().model_cost
+    return _window(model, len(cost_map), id(cost_map.get(model)))
+
+
+@functools.lru_cache(maxsize=64)
+def _window(model: str, _map_size: int, _entry_id: int) -> int | None:
     try:
         info = litellm().get_model_info(model)
     except Exception:
