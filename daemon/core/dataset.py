@@ -227,35 +227,12 @@ def confine(path: str, root: Path | None, *, answer_key: Path | None = None,
             raise RefusedError(f"{prefix}{link} is a dangling symlink (its target {target} "
                                "does not exist)") from None
         raise
-    if answer_key is not None and _is_within(real, _real_folder(answer_key)):
+    if answer_key is not None and _is_within(real, os.path.realpath(answer_key)):
         raise RefusedError(f"{prefix}{_first_link(path, root)} leads into the answer key "
                            f"({real}); not followed")
-    if root is not None and not _is_within(real, _real_folder(root)):
+    if root is not None and not _is_within(real, os.path.realpath(root)):
         raise RefusedError(f"{prefix}{_first_link(path, root)} is a symlink out of "
                            f"{root.name}/; not followed")
-    return real
-
-
-# runs/ and data/, resolved for every confined read: a walk of lstats, one
-# per component of the path, in Python. Kept while a stat of the folder still
-# finds the same folder (a data/ link pointed elsewhere is resolved again).
-_real_folders: dict[str, tuple[tuple[int, int], str]] = {}
-
-
-def _real_folder(folder: Path) -> str:
-    key = str(folder)
-    try:
-        st = os.stat(key)
-    except OSError:
-        return os.path.realpath(key)
-    identity = (st.st_dev, st.st_ino)
-    kept = _real_folders.get(key)
-    if kept is not None and kept[0] == identity:
-        return kept[1]
-    real = os.path.realpath(key)
-    if len(_real_folders) > 64:
-        _real_folders.clear()
-    _real_folders[key] = (identity, real)
     return real
 
 
