@@ -666,6 +666,24 @@ def test_prompt_inside_the_model_window_is_sent(
     assert job.report_path.is_file()
 
 
+def test_a_models_window_follows_its_registration() -> None:
+    # max_input_tokens keeps "unknown" to spare litellm's search of its map on
+    # every job: a model registered later, again with another window, or taken
+    # out of the map is seen at once.
+    lm = llm.litellm()
+    name = "openai/skilltrain-test-window-later"
+    info = {"max_tokens": 1, "litellm_provider": "openai", "mode": "chat"}
+    try:
+        assert llm.max_input_tokens(name) is None
+        assert llm.max_input_tokens(name) is None  # kept as unknown
+        for window in (1_000, 2_000, 3_000, 4_000):
+            lm.register_model({name: {**info, "max_input_tokens": window}})
+            assert llm.max_input_tokens(name) == window
+    finally:
+        lm.model_cost.pop(name, None)
+    assert llm.max_input_tokens(name) is None
+
+
 def test_a_prompt_that_may_not_fit_by_its_bytes_is_counted_exactly(
     job: loss.LossJob,
     settings: SettingsFactory,

@@ -19,7 +19,6 @@ litellm costs ~5 s to import: imported on first use, `status`, `tail`, `audit`, 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import re
 import threading
@@ -113,19 +112,20 @@ def count_tokens(model: str, messages: Sequence[Message]) -> int:
     return int(litellm().token_counter(model=model, messages=list(messages)))
 
 
+# Every job asks. An unknown model costs litellm a search of its map and a raise
+# (59 us; a known one it caches): kept until the map's size changes (register_model).
+_unknown_models: set[tuple[str, int]] = set()
+
+
 def max_input_tokens(model: str) -> int | None:
     """The model's input window, or None when litellm does not know the model."""
-    # Every job asks; for a model litellm does not know, its answer is a search
-    # of its whole map (59 us). Asked again when the map changes (register_model).
-    cost_map = litellm().model_cost
-    return _window(model, len(cost_map), id(cost_map.get(model)))
-
-
-@functools.lru_cache(maxsize=64)
-def _window(model: str, _map_size: int, _entry_id: int) -> int | None:
+    lm = litellm()
+    if (unknown := (model, len(lm.model_cost))) in _unknown_models:
+        return None
     try:
-        info = litellm().get_model_info(model)
+        info = lm.get_model_info(model)
     except Exception:
+        _unknown_models.add(unknown)  # a few ids a process: the config's, a run's
         return None
     value = info.get("max_input_tokens") or info.get("max_tokens")
     return int(value) if value else None
