@@ -10,6 +10,9 @@ it just before the n-th rename into the reports folder.
 from __future__ import annotations
 
 import json
+import os
+import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from skilltrain.daemon.core import atomic
 from skilltrain.daemon.core.errors import ExitCode
 from tests.daemon_helpers import (
     SetId,
@@ -206,3 +210,38 @@ def test_a_report_the_kernel_will_not_let_us_write_fails_and_leaves_nothing(
     assert [p.name for p in (ws.report(s), ws.sidecar(s), ws.archive(s)) if p.exists()] == []
     assert ws.temp_files() == []
     assert ws.events("daemon.stopped")[-1]["failed"] == 1
+
+
+# ------------------------------------------------- the mode a new file gets
+
+
+def _default_acl(user: int, group: int, other: int) -> bytes:
+    """A folder's default POSIX ACL as the kernel stores it (posix_acl_xattr):
+    version 2, then (tag, permissions, id) for the owner, group and others."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, user), (0x04, group), (0x20, other)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, undefined)
+                                           for tag, perm in entries)
+
+
+@pytest.mark.parametrize("acl", [None, (6, 4, 4)], ids=["umask", "default-acl"])
+def test_a_written_file_gets_the_mode_open_would_give_it(tmp_path: Path,
+                                                          acl: tuple[int, int, int] | None) -> None:
+    """0666 less the umask, or what the folder's default ACL says (a team's
+    shared runs/): the same as a file open() makes beside it."""
+    folder = tmp_path / "loss"
+    folder.mkdir()
+    if acl is not None:
+        try:
+            os.setxattr(folder, "system.posix_acl_default", _default_acl(*acl))
+        except OSError as e:
+            pytest.skip(f"no POSIX ACLs on this file system ({e.strerror})")
+    old = os.umask(0o077)
+    try:
+        atomic.write_all({folder / "a.md": "report\n"})
+        with open(folder / "plain.md", "w") as f:
+            f.write("control\n")
+    finally:
+        os.umask(old)
+    made, control = (stat.S_IMODE((folder / name).stat().st_mode) for name in ("a.md", "plain.md"))
+    assert made == control == (0o644 if acl else 0o600)

@@ -9,6 +9,7 @@ files a crash left behind are found and removed after a restart, and end in
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -72,13 +73,14 @@ _TRIES = 100
 
 
 def _create_temp(path: Path) -> tuple[int, str]:
-    """A new empty temp file beside `path`, opened for writing. Mode 0666 less
-    the umask, as the kernel applies it at creation: a report is made as
-    `open()` would make it (tempfile.mkstemp's 0600 needed a chmod, and the
-    umask read from /proc, for every file)."""
+    """A new empty temp file beside `path`, opened for writing, made as `open()`
+    makes a file: mode 0666 less the umask, or what the folder's default ACL
+    says where it has one (tempfile.mkstemp's 0600 needed a chmod, and the
+    umask read from /proc, for every file). The random part is as long as
+    mkstemp's: a name that fitted before fits now."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     for _ in range(_TRIES):
-        tmp = f"{path.parent}/{TEMP_PREFIX}{path.name}.{_names.getrandbits(48):012x}.tmp"
+        tmp = f"{path.parent}/{TEMP_PREFIX}{path.name}.{_names.getrandbits(32):08x}.tmp"
         try:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
@@ -90,7 +92,10 @@ def _write_fully(fd: int, data: bytes) -> None:
     """All of `data` (os.write may write less than asked: a signal, a pipe)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        written = os.write(fd, view)
+        if written == 0:  # not a regular file's answer; an endless loop otherwise
+            raise OSError(errno.ENOSPC, f"no byte written of {len(view):,}")
+        view = view[written:]
 
 
 def fsync_dir(directory: Path) -> None:
