@@ -612,7 +612,7 @@ def test_step_reported_once_across_a_restart(ws: Workspace) -> None:
 
     assert len(named(first, "step.reported", run="r1", epoch=1, step=1)) == 1
     assert len(named(first, "optimizer.started")) == 1
-    for name in ("step.reported", "set.ready", "loss.queued", "loss.started", "optimizer.started"):
+    for name in ("step.reported", "loss.queued", "loss.started", "optimizer.started"):
         assert named(second, name) == [], name
     assert named(second, "daemon.started") and named(second, "daemon.stopped")
     assert len(ws.calls()) == 1

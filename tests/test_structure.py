@@ -184,7 +184,7 @@ def test_no_part_of_the_service_assigns_another_parts_attribute() -> None:
 # the only other writers, each for a reason (module -> calls it may make).
 WRITERS: dict[str, set[str]] = {
     # the primitive under sealed_write (temp file, fsync, rename)
-    "daemon/core/atomic.py": {"mkstemp", "fdopen", "replace", "write_all"},
+    "daemon/core/atomic.py": {"os.open", "replace", "write_all"},
     # the state database: its rows are checked against every key by
     # daemon/infra/state.py before they reach it; a bad one is moved aside
     "daemon/core/state_db.py": {"sqlite3.connect", "os.open", "rename"},
@@ -204,10 +204,31 @@ _WRITE_CALLS = {"write_text", "write_bytes", "write_all", "touch", "mkstemp", "f
 _WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}
 
 
+def _names_attributes(tree: ast.AST) -> dict[str, set[str]]:
+    """Name -> the attributes any assignment of it in the module reads: flags
+    kept in a variable first (flags = os.O_WRONLY | ...) are still flags."""
+    held: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    held.setdefault(target.id, set()).update(
+                        n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute))
+    return held
+
+
+def _open_flags(call: ast.Call, named: dict[str, set[str]]) -> set[str]:
+    """The attributes an open() call names, its variables' included."""
+    return set().union(*({n.attr} if isinstance(n, ast.Attribute) else named.get(n.id, set())
+                         for n in ast.walk(call) if isinstance(n, ast.Attribute | ast.Name)))
+
+
 def _writes(path: Path) -> set[str]:
     """The calls of `path` that create or change a file, by name."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    named = _names_attributes(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.endswith("FileHandler"):
             found.add(node.attr)
         if not isinstance(node, ast.Call):
@@ -222,7 +243,7 @@ def _writes(path: Path) -> set[str]:
                 isinstance(owner, ast.Constant) or len(node.args) != 1):
             continue  # str.replace(a, b), dict.copy(): not files
         if name == "open":
-            flags = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            flags = _open_flags(node, named)
             modes = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
             modes += [k.value.value for k in node.keywords
                       if k.arg == "mode" and isinstance(k.value, ast.Constant)]
