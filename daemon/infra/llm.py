@@ -259,7 +259,7 @@ async def _call(messages: Sequence[Message], settings: LLMConfig) -> Any:
 
     def describe(error: BaseException) -> str:
         # Only on error: the prompt's text is joined for the echo check then.
-        return _describe(error, _prompt_text(messages), where)
+        return _describe(error, "\n".join(message_texts(messages)), where)
 
     def retryable(e: BaseException) -> RetryableError:
         code = getattr(e, "status_code", 0) or 0
@@ -364,19 +364,25 @@ LOCAL_SERVER_KEY = "no-key-needed"  # sent to an api_base server when no key is 
 
 
 def missing_credentials(model: str, api_base: str | None = None) -> list[str]:
-    """The environment variables holding an API key that `model` needs and lacks.
-
-    litellm's validate_environment also lists base-URL variables (ollama's
-    OLLAMA_API_BASE has a working default): only keys and tokens count here.
-    """
+    """The environment variables holding an API key that `model` needs and lacks
+    (litellm's validate_environment also lists base-URL variables, as ollama's
+    OLLAMA_API_BASE: only keys and tokens count). Asked at every call to a local
+    server (~0.3 ms in litellm): a list found is kept while all of it is unset."""
     if model.startswith(BUILTIN_PREFIX):
         return []
+    if (known := _missing.get((model, api_base))) and not any(k in os.environ for k in known):
+        return list(known)
     try:
         report = litellm().validate_environment(model=model, api_base=api_base)
     except Exception:
         return []  # a provider litellm cannot check: the first call will say
-    missing = report.get("missing_keys") or []
-    return [str(k) for k in missing if "KEY" in str(k) or "TOKEN" in str(k)]
+    missing = [str(k) for k in report.get("missing_keys") or []]
+    missing = [k for k in missing if "KEY" in k or "TOKEN" in k]
+    _missing[(model, api_base)] = tuple(missing)
+    return missing
+
+
+_missing: dict[tuple[str, str | None], tuple[str, ...]] = {}
 
 
 def check_credentials(settings: LLMConfig) -> None:
@@ -386,10 +392,9 @@ def check_credentials(settings: LLMConfig) -> None:
         return  # an api_base server (vLLM, Ollama) may need no key: see _call
     missing = missing_credentials(settings.model)
     if missing:
-        names = " or ".join(missing)
         raise ConfigError(f"[llm] model = {settings.model!r} needs the environment variable "
-                          f"{names}, which is not set (API keys come from the environment, "
-                          "never from config.toml)")
+                          f"{' or '.join(missing)}, which is not set (API keys come from the "
+                          "environment, never from config.toml)")
 
 
 def message_texts(messages: Sequence[Message]) -> list[str]:
@@ -404,18 +409,11 @@ def message_texts(messages: Sequence[Message]) -> list[str]:
     return parts
 
 
-def _prompt_text(messages: Sequence[Message]) -> str:
-    return "\n".join(message_texts(messages))
-
-
 def _echoes(message: str, prompt: str) -> bool:
     """Does `message` repeat ECHO_WORDS words of `prompt` in a row, in any disguise?
-
-    Compared as normalised words (leakguard's normalisation: case,
-    separators, escapes, zero-width characters and look-alikes do not
-    matter), not as substrings: an echo upper-cased, pipe-joined or
-    JSON-escaped is still an echo.
-    """
+    Compared as normalised words (leakguard's: case, separators, escapes, zero-width
+    characters and look-alikes do not matter), not as substrings: an echo
+    upper-cased, pipe-joined or JSON-escaped is still an echo."""
     views = textnorm.readings(message) if prompt and message else []
     said = {h for view in views for h in leakguard.shingle_hashes(view.tokens, ECHO_WORDS)}
     if not said:
