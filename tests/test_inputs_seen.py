@@ -173,3 +173,4 @@ def test_an_episode_read_through_a_link_is_read_again(
     assert prepared.seen[job.scripts_dir / "ep02.txt"] is None
     finish(prepared)
     assert reads == [1]
+
