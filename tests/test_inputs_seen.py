@@ -12,6 +12,7 @@ change the inputs in every way the stat must show.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 import time
@@ -174,3 +175,32 @@ def test_an_episode_read_through_a_link_is_read_again(
     finish(prepared)
     assert reads == [1]
 
+
+
+@pytest.mark.usefixtures("not_racy")
+@pytest.mark.parametrize("edit", ["rewritten, same size", "rewritten, mtime put back"])
+def test_a_template_edited_after_its_read_is_read_again(tmp_path: Path, edit: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template is read again only when its stat moved (PromptTemplates.load)."""
+    prompts = tmp_path / "prompts"
+    shutil.copytree(REPO / "prompts", prompts)
+    templates = PromptTemplates(prompts)
+    first = templates.load(loss.TEMPLATE)
+    reads: list[Path] = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: reads.append(p) or read_bytes(p))
+    assert templates.load(loss.TEMPLATE).source_hash == first.source_hash
+    assert reads == []
+    path = templates.path(loss.TEMPLATE)
+    st = path.stat()
+    _tick()
+    text = path.read_text(encoding="utf-8")
+    assert " the " in text
+    path.write_text(text.replace(" the ", " THE ", 1), encoding="utf-8")  # the same size
+    if edit == "rewritten, mtime put back":
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    reads.clear()
+    again = templates.load(loss.TEMPLATE)
+    assert reads == [path]
+    assert again.source_hash != first.source_hash
+    assert again.source_hash == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -113,7 +113,7 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     # are read again for every set of every step: kept while their identity
     # holds. A writer's scripts are read afresh every time.
     keep = confine_to is None and answer_key is None
-    identity = _identity(st)
+    identity = stat_identity(st)
     if seen is not None:  # taken before the read: a change from here on shows in it
         trusted = not link and not racily_clean(max(st.st_mtime_ns, st.st_ctime_ns))
         seen[path] = identity if trusted else None
@@ -146,7 +146,8 @@ Identity = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctim
 Seen = dict[Path, Identity | None]
 
 
-def _identity(st: os.stat_result) -> Identity:
+def stat_identity(st: os.stat_result) -> Identity:
+    """What tells one version of a file from another by its stat (see unchanged)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
@@ -157,7 +158,7 @@ def unchanged(seen: Seen) -> bool:
     trusted then. False: not known, read the files again."""
     for path, identity in seen.items():
         try:
-            if identity is None or _identity(os.lstat(path)) != identity:
+            if identity is None or stat_identity(os.lstat(path)) != identity:
                 return False
         except OSError:
             return False
