@@ -537,6 +537,39 @@ def test_a_link_out_of_runs_is_refused_whatever_file_it_reaches(
     assert_nothing_written(job, tmp_path)
 
 
+@pytest.mark.parametrize("where", ["out of runs", "into the answer key",
+                                   "into an answer key kept in runs", "inside runs"])
+def test_a_scripts_folder_that_is_a_link_is_confined_as_a_whole(
+    tmp_path: Path, job: loss.LossJob, work_copy: Path, settings: SettingsFactory,
+    llm_server: LLMServer, where: str
+) -> None:
+    # The folder is opened and what the kernel opened is checked (dataset.
+    # _open_confined): its files are then read in it, not confined one by one.
+    # The target holds the writer's own draft, no copy of a human episode, so
+    # only the folder's confinement can refuse it.
+    if where == "into an answer key kept in runs":  # only the answer-key rule refuses
+        work_copy = shutil.copytree(work_copy, tmp_path / "runs" / "data" / "example")
+    target = {"out of runs": tmp_path / "elsewhere",
+              "inside runs": tmp_path / "runs" / "r1" / "shared"}.get(
+                  where, work_copy / "human" / "drafts")
+    shutil.copytree(job.scripts_dir, target)
+    shutil.rmtree(job.scripts_dir)
+    job.scripts_dir.symlink_to(target, target_is_directory=True)
+    job = loss.LossJob(work=dataset.load_work(work_copy), scripts_dir=job.scripts_dir,
+                       report_path=job.report_path, first=1, last=3)
+
+    if where == "inside runs":
+        run(job, settings(), confine_to=tmp_path / "runs")
+        assert llm_server.request_count == 1
+        return
+    refused = (r"scripts is a symlink out of runs/; not followed$" if where == "out of runs"
+               else r"scripts leads into the answer key \(.*\); not followed$")
+    with pytest.raises(RefusedError, match=refused):
+        run(job, settings(), confine_to=tmp_path / "runs")
+    assert llm_server.request_count == 0
+    assert_nothing_written(job, tmp_path)
+
+
 def test_a_link_into_the_answer_key_is_refused_whatever_file_it_reaches(
     tmp_path: Path, work_copy: Path, settings: SettingsFactory, llm_server: LLMServer
 ) -> None:

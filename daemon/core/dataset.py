@@ -265,6 +265,12 @@ def confine(path: str, root: Path | None, *, answer_key: Path | None = None,
     return real
 
 
+def _inside(real: str, root: Path, answer_key: Path | None) -> bool:
+    """confine's rule for a real path: inside `root`, out of the answer key."""
+    return (_is_within(real, os.path.realpath(root))
+            and (answer_key is None or not _is_within(real, os.path.realpath(answer_key))))
+
+
 def _is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -325,7 +331,24 @@ def _open_confined(directory: Path, root: Path, answer_key: Path | None,
     up in what was checked, so a folder swapped for a link to the answer key
     after the check is not read through. The folder as opened is checked
     again. A refusal names the link a file's would (the first below `root`).
-    None where /proc cannot say what was opened: each file is confined then."""
+    None where /proc cannot say what was opened: each file is confined then.
+    The folder is opened first and what the kernel opened is checked: the walk
+    of every component (a dozen lstats a job) only names what is refused."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1  # absent, a dangling link, a loop, not a folder: confine says which
+    if fd >= 0:
+        inside = False
+        try:
+            inside = _inside(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key)
+        except OSError:
+            pass
+        finally:
+            if not inside:
+                os.close(fd)
+        if inside:
+            return fd
     real = confine(str(directory), root, answer_key=answer_key, label=label)
     fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
