@@ -77,7 +77,8 @@ def _range_digest(hashes: Mapping[int, str]) -> str:
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
                  answer_key: Path | None = None, max_bytes: int | None = None,
-                 folder_fd: int | None = None, seen: Seen | None = None) -> str:
+                 folder_fd: int | None = None, seen: Seen | None = None,
+                 stated: Stated | None = None) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: the file's real path must stay inside this directory (a
@@ -88,10 +89,11 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     `folder_fd`: path's folder, opened and confined by the caller (read_range,
     once for the range): the file is looked up in it, and only a link at the
     file itself is confined by path. `seen`: where the file's identity as read
-    goes (see Seen).
+    goes (see Seen). `stated`: its _stat_confined, taken by the caller.
     """
     try:
-        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, seen)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, seen,
+                             stated)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
     except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
@@ -100,8 +102,9 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 
 
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
-                  max_bytes: int | None, folder_fd: int | None, seen: Seen | None) -> str:
-    st, link = _stat_confined(path, label, confine_to, answer_key, folder_fd)
+                  max_bytes: int | None, folder_fd: int | None, seen: Seen | None,
+                  stated: Stated | None) -> str:
+    st, link = stated or _stat_confined(path, label, confine_to, answer_key, folder_fd)
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
     if st.st_size == 0:
@@ -171,8 +174,11 @@ _KEPT_MAX_CHARS = 64_000_000
 _kept_text: dict[Path, tuple[tuple[int, ...], str]] = {}
 
 
+Stated = tuple[os.stat_result, bool]  # a file's stat (its target's, for a link), is it a link
+
+
 def _stat_confined(path: Path, label: str, confine_to: Path | None,
-                   answer_key: Path | None, folder_fd: int | None) -> tuple[os.stat_result, bool]:
+                   answer_key: Path | None, folder_fd: int | None) -> Stated:
     """The file's stat (its target's, for a link that may be followed), and
     whether the file itself is a link."""
     st = os.lstat(path) if folder_fd is None else os.lstat(path.name, dir_fd=folder_fd)
@@ -294,21 +300,12 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
 
     A range with no episode at all gets the seed's message; a range with some
     present names the first missing one. `max_bytes` bounds the whole range,
-    checked from file sizes before anything is read.
+    checked from the stats the reads then use, before anything is read.
     """
     numbers = range(first, last + 1)
     paths = [directory / episode_name(n) for n in numbers]
     if not any(os.path.lexists(p) for p in paths):
         raise RefusedError(f"no {label} episodes {first}-{last} in {directory}")
-    if max_bytes is not None:
-        sizes = {p: _size(p) for p in paths}
-        total = sum(sizes.values())
-        if total > max_bytes:
-            largest = max(sizes, key=lambda p: sizes[p])
-            raise RefusedError(
-                f"{label} episodes {first}-{last} in {directory} total {total:,} bytes, over "
-                f"the {max_bytes:,}-byte limit the model's context window allows "
-                f"(largest: {largest.name}, {sizes[largest]:,} bytes)")
     folder_fd = None
     if confine_to is not None:
         try:
@@ -316,9 +313,13 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
         except FileNotFoundError:
             pass  # each episode is then "missing", as read_episode says
     try:
+        stats: dict[Path, Stated | None] = {}
+        if max_bytes is not None:
+            stats = {p: _stat_or_none(p, label, confine_to, answer_key, folder_fd) for p in paths}
+            _check_total(stats, max_bytes, f"{label} episodes {first}-{last} in {directory}")
         return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
                                 answer_key=answer_key, max_bytes=max_bytes, folder_fd=folder_fd,
-                                seen=seen)
+                                seen=seen, stated=stats.get(p))
                 for n, p in zip(numbers, paths, strict=True)}
     finally:
         if folder_fd is not None:
@@ -327,13 +328,11 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
 
 def _open_confined(directory: Path, root: Path, answer_key: Path | None,
                    label: str) -> int | None:
-    """`directory` confined once for a range, and opened: its episodes are looked
-    up in what was checked, so a folder swapped for a link to the answer key
-    after the check is not read through. The folder as opened is checked
-    again. A refusal names the link a file's would (the first below `root`).
-    None where /proc cannot say what was opened: each file is confined then.
-    The folder is opened first and what the kernel opened is checked: the walk
-    of every component (a dozen lstats a job) only names what is refused."""
+    """`directory` opened once for a range, and what the kernel opened confined:
+    its episodes are looked up in it, so a folder swapped for a link to the
+    answer key after the check is not read through. Only a refusal walks the
+    path (a dozen lstats), to name the link (the first below `root`). None
+    where /proc cannot say what was opened: each file is confined then."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -364,11 +363,22 @@ def _open_confined(directory: Path, root: Path, answer_key: Path | None,
     return fd
 
 
-def _size(path: Path) -> int:
+def _stat_or_none(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
+                  folder_fd: int | None) -> Stated | None:
     try:
-        return path.stat().st_size
-    except (OSError, RuntimeError):
-        return 0  # read_episode will say what is wrong with it
+        return _stat_confined(path, label, confine_to, answer_key, folder_fd)
+    except (OSError, RuntimeError, RefusedError):
+        return None  # read_episode will say what is wrong with it
+
+
+def _check_total(stats: Mapping[Path, Stated | None], max_bytes: int, what: str) -> None:
+    sizes = {p: st[0].st_size if st else 0 for p, st in stats.items()}
+    total = sum(sizes.values())
+    if total > max_bytes:
+        largest = max(sizes, key=lambda p: sizes[p])
+        raise RefusedError(f"{what} total {total:,} bytes, over the {max_bytes:,}-byte limit "
+                           f"the model's context window allows (largest: {largest.name}, "
+                           f"{sizes[largest]:,} bytes)")
 
 
 # human/ folder -> ((inode, mtime_ns), episode numbers) of its last listing.
