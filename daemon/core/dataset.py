@@ -9,6 +9,7 @@ numbers only, never file contents.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -144,8 +145,7 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
 
 
 Identity = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
-# Each file read -> its identity when read (None: not to be trusted: a link,
-# or changed within the clock's tick of the read), filled by read_range.
+# Each file read -> its identity when read; None: a link, or changed within the read's tick.
 Seen = dict[Path, Identity | None]
 
 
@@ -404,8 +404,8 @@ class Work:
     title: str
     explicit_ranges: tuple[tuple[int, int], ...] | None
 
-    @property
-    def human_dir(self) -> Path:
+    @functools.cached_property
+    def human_dir(self) -> Path:  # asked ~10 times a job: a Path made once
         return self.root / "human"
 
     def human_episodes(self) -> list[int]:
