@@ -144,7 +144,6 @@ class Prepared:
     template_path: Path
     prompt_tokens: int | None
     read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]] = field(repr=False)
-    seen: dataset.Seen = field(repr=False)  # the inputs' identities as read
     started_at: datetime
     t0: float
 
@@ -200,14 +199,13 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
 
     key_dir = answer_key or job.work.human_dir
 
-    def read_inputs(seen: dataset.Seen | None = None) -> tuple[dict[int, str], dict[int, str]]:
-        return (job.work.read_human(job.first, job.last, max_bytes=max_bytes, seen=seen),
+    def read_inputs() -> tuple[dict[int, str], dict[int, str]]:
+        return (job.work.read_human(job.first, job.last, max_bytes=max_bytes),
                 dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
                                    confine_to=confine_to, answer_key=key_dir,
-                                   max_bytes=max_bytes, seen=seen))
+                                   max_bytes=max_bytes))
 
-    seen: dataset.Seen = {}
-    human, model = read_inputs(seen)
+    human, model = read_inputs()
     # Read once per job: for the copy check now and the leak index after the call.
     all_human = job.work.read_all_human()
     _refuse_copies_of_the_answer_key(job, model, all_human)
@@ -242,7 +240,7 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                     model_block=model_block, model=model, human_stats=human_stats,
                     model_stats=model_stats, key_index=key_index,
                     template_path=template.path, prompt_tokens=prompt_tokens,
-                    read_inputs=read_inputs, seen=seen, started_at=started_at, t0=t0)
+                    read_inputs=read_inputs, started_at=started_at, t0=t0)
 
 
 def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "redact",
@@ -320,7 +318,7 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
         "finished_at": now().isoformat(),
         **(sidecar_extra or {}),
     }
-    _check_unchanged(job, hashes, prepared)
+    _check_unchanged(job, hashes, prepared.read_inputs)
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
@@ -438,15 +436,12 @@ def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],
                 "key); not sent")
 
 
-def _check_unchanged(job: LossJob, hashes: InputHashes, prepared: Prepared) -> None:
-    """Just before writing: a report made from files that changed or vanished
-    during the call is not written (it would describe neither version). Files
-    whose stat says they are what was read are not read again (dataset.unchanged:
-    ~45 syscalls and the hashing a job, GIL hand-offs each); any other is."""
-    if dataset.unchanged(prepared.seen):
-        return
+def _check_unchanged(job: LossJob, hashes: InputHashes,
+                     read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]]) -> None:
+    """Re-read the inputs just before writing: a report made from files that changed
+    or vanished during the call is not written (it would describe neither version)."""
     try:
-        human, model = prepared.read_inputs()
+        human, model = read_inputs()
     except RefusedError as e:
         raise InputsChangedError(f"input changed during the call: {e}") from None
     if dataset.episodes_digest(model) != hashes.model:

@@ -78,8 +78,7 @@ def _range_digest(hashes: Mapping[int, str]) -> str:
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
                  answer_key: Path | None = None, max_bytes: int | None = None,
-                 folder_fd: int | None = None, seen: Seen | None = None,
-                 stated: Stated | None = None) -> str:
+                 folder_fd: int | None = None, stated: Stated | None = None) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: the file's real path must stay inside this directory (a
@@ -89,12 +88,10 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     `max_bytes`: refuse a larger file before reading it into memory.
     `folder_fd`: path's folder, opened and confined by the caller (read_range,
     once for the range): the file is looked up in it, and only a link at the
-    file itself is confined by path. `seen`: where the file's identity as read
-    goes (see Seen). `stated`: its _stat_confined, taken by the caller.
+    file itself is confined by path. `stated`: its _stat_confined, taken by the caller.
     """
     try:
-        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, seen,
-                             stated)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, stated)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
     except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
@@ -103,8 +100,7 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 
 
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
-                  max_bytes: int | None, folder_fd: int | None, seen: Seen | None,
-                  stated: Stated | None) -> str:
+                  max_bytes: int | None, folder_fd: int | None, stated: Stated | None) -> str:
     st, link = stated or _stat_confined(path, label, confine_to, answer_key, folder_fd)
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
@@ -117,10 +113,7 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     # are read again for every set of every step: kept while their identity
     # holds. A writer's scripts are read afresh every time.
     keep = confine_to is None and answer_key is None
-    identity = stat_identity(st)
-    if seen is not None:  # taken before the read: a change from here on shows in it
-        trusted = not link and not racily_clean(max(st.st_mtime_ns, st.st_ctime_ns))
-        seen[path] = identity if trusted else None
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
         return kept[1]
     # A link is confined, and followed, by its path; a plain file is opened in
@@ -142,30 +135,6 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
             and not racily_clean(max(st.st_mtime_ns, st.st_ctime_ns))):
         _keep_text(path, identity, text)
     return text
-
-
-Identity = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
-# Each file read -> its identity when read; None: a link, or changed within the read's tick.
-Seen = dict[Path, Identity | None]
-
-
-def stat_identity(st: os.stat_result) -> Identity:
-    """What tells one version of a file from another by its stat (see unchanged)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def unchanged(seen: Seen) -> bool:
-    """Whether every file read still is what was read (an lstat each), as git
-    tells a clean file by its stat: a write changes the ctime (no one can set
-    it back), and a file last changed within the tick of its read was not
-    trusted then. False: not known, read the files again."""
-    for path, identity in seen.items():
-        try:
-            if identity is None or stat_identity(os.lstat(path)) != identity:
-                return False
-        except OSError:
-            return False
-    return bool(seen)
 
 
 # Episode path -> (its identity when read, the text it had): the answer key's
@@ -294,9 +263,8 @@ def _first_link(path: str, root: Path | None) -> str:
 
 def read_range(directory: Path, first: int, last: int, *, label: str,
                confine_to: Path | None = None, answer_key: Path | None = None,
-               max_bytes: int | None = None, seen: Seen | None = None) -> dict[int, str]:
-    """Every episode first..last, or RefusedError naming the first bad one
-    (`seen`: see Seen).
+               max_bytes: int | None = None) -> dict[int, str]:
+    """Every episode first..last, or RefusedError naming the first bad one.
 
     A range with no episode at all gets the seed's message; a range with some
     present names the first missing one. `max_bytes` bounds the whole range,
@@ -319,7 +287,7 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
             _check_total(stats, max_bytes, f"{label} episodes {first}-{last} in {directory}")
         return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
                                 answer_key=answer_key, max_bytes=max_bytes, folder_fd=folder_fd,
-                                seen=seen, stated=stats.get(p))
+                                stated=stats.get(p))
                 for n, p in zip(numbers, paths, strict=True)}
     finally:
         if folder_fd is not None:
@@ -434,10 +402,8 @@ class Work:
             return list(self.explicit_ranges)
         return list(chunk(self.human_episodes(), episodes_per_report))
 
-    def read_human(self, first: int, last: int, max_bytes: int | None = None,
-                   seen: Seen | None = None) -> dict[int, str]:
-        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes,
-                          seen=seen)
+    def read_human(self, first: int, last: int, max_bytes: int | None = None) -> dict[int, str]:
+        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes)
 
     def read_all_human(self) -> dict[int, str]:
         """Every readable human episode (for the leak audit); unreadable ones are skipped."""

@@ -4,14 +4,11 @@ Jinja2 with StrictUndefined, so a misspelt variable is an error and not an
 empty hole in the prompt. A job reads the template file once: the bytes it
 hashes (for the sidecar) are the bytes it renders the prompt and the archive
 from, so an edit takes effect at the next job without a restart, and a job
-never mixes two versions. Compiled templates are cached by content hash,
-and a file whose stat says it is the version read before is not read again
-(dataset.unchanged's rule: not for one changed within the clock's tick).
+never mixes two versions. Compiled templates are cached by content hash.
 """
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import threading
 from dataclasses import dataclass
@@ -20,7 +17,6 @@ from typing import Any
 
 import jinja2
 
-from .dataset import Identity, racily_clean, stat_identity
 from .errors import ConfigError
 
 _CACHE_SIZE = 8
@@ -67,7 +63,6 @@ class PromptTemplates:
             keep_trailing_newline=True,
         )
         self._compiled: dict[tuple[str, str], jinja2.Template] = {}
-        self._read: dict[str, tuple[Identity, str]] = {}  # name -> (its stat, its hash) as read
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
@@ -77,12 +72,6 @@ class PromptTemplates:
         """Read the file now, compile it (cached by content), raise ConfigError if bad."""
         path = self.path(name)
         try:
-            st = os.stat(path)
-            if (kept := self._read.get(name)) is not None and kept[0] == stat_identity(st):
-                with self._lock:
-                    known = self._compiled.get((name, kept[1]))
-                if known is not None:
-                    return LoadedTemplate(path, kept[1], known)
             data = path.read_bytes()
         except FileNotFoundError:
             raise ConfigError(f"template {path} not found") from None
@@ -98,8 +87,6 @@ class PromptTemplates:
                 if len(self._compiled) >= _CACHE_SIZE:
                     self._compiled.pop(next(iter(self._compiled)))
                 self._compiled[(name, digest)] = template
-        if not racily_clean(max(st.st_mtime_ns, st.st_ctime_ns)):
-            self._read[name] = (stat_identity(st), digest)  # stat before read: a change shows
         return LoadedTemplate(path, digest, template)
 
     def source_hash(self, name: str) -> str:

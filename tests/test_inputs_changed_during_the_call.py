@@ -1,0 +1,134 @@
+"""Inputs changed during the call, in every way a writer can: finish refuses.
+
+finish() reads both ranges again just before writing and compares their
+digests with what the prompt was made from. It does not trust a stat for
+that: a write through a shared mmap leaves the mtime and ctime as they were
+(until writeback, or forever on tmpfs), and an NFS client answers a stat
+from its attribute cache, while open() revalidates (close-to-open). Each
+change here must end in InputsChangedError with nothing written, the first
+with the stat unmoved.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from skilltrain.daemon.core import dataset
+from skilltrain.daemon.core.config import LLMConfig
+from skilltrain.daemon.core.errors import InputsChangedError
+from skilltrain.daemon.core.templates import PromptTemplates
+from skilltrain.daemon.infra import llm
+from skilltrain.handlers import loss
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "data" / "example"
+REPORT = ("The draft states feelings outright where the original lets a look carry them. "
+          "Scenes in the draft start early and end late; the original enters late.")
+SETTINGS = LLMConfig(model="openai/loopback-model", api_base="http://127.0.0.1:9", timeout_s=5.0)
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> tuple[loss.LossJob, Path]:
+    """A run's scripts/ (the example's draft, ep01-03) and a copy of the example work."""
+    scripts = tmp_path / "runs" / "r1" / "epoch_00" / "step_00" / "example" / "scripts"
+    scripts.mkdir(parents=True)
+    for n in (1, 2, 3):
+        shutil.copy(EXAMPLE / "model_draft" / f"ep{n:02d}.txt", scripts)
+    work = tmp_path / "data" / "example"
+    shutil.copytree(EXAMPLE / "human", work / "human")
+    shutil.copy(EXAMPLE / "work.toml", work)
+    report = tmp_path / "runs" / "r1" / "loss" / "epoch_00" / "step_00" / "example_ep01-03.md"
+    job = loss.LossJob(work=dataset.load_work(work), scripts_dir=scripts, report_path=report,
+                       first=1, last=3)
+    return job, tmp_path / "runs"
+
+
+def prepare(job: loss.LossJob, runs: Path) -> loss.Prepared:
+    return loss.prepare(job, settings=SETTINGS, templates=PromptTemplates(REPO / "prompts"),
+                        confine_to=runs, answer_key=job.work.human_dir)
+
+
+def finish(prepared: loss.Prepared) -> loss.LossResult:
+    completion = llm.Completion(text=REPORT, finish_reason="stop", tokens_in=10, tokens_out=10,
+                                tokens_cached=0, cost_usd=None, attempts=1)
+    return loss.finish(prepared, completion)
+
+
+def _rewrite_same_size(path: Path) -> None:
+    time.sleep(0.05)  # past the file system's timestamp tick
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text[::-1] if text[::-1] != text else text.upper(), encoding="utf-8")
+
+
+def _rewrite_keeping_mtime(path: Path) -> None:
+    st = path.stat()
+    _rewrite_same_size(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _replace_by_rename(path: Path) -> None:
+    fresh = path.with_name("fresh.tmp")
+    fresh.write_bytes(path.read_bytes().swapcase())
+    os.replace(fresh, path)
+
+
+def _link_to_the_key(path: Path, key: Path) -> None:
+    path.unlink()
+    path.symlink_to(key / path.name)
+
+
+def _folder_swapped_for_a_link(path: Path) -> None:
+    folder = path.parent
+    copy = folder.with_name("copy")
+    shutil.copytree(folder, copy)
+    (copy / path.name).write_bytes((copy / path.name).read_bytes().swapcase())
+    shutil.rmtree(folder)
+    folder.symlink_to(copy)
+
+
+CHANGES: dict[str, Callable[[Path, Path], None]] = {
+    "rewritten, same size": lambda p, key: _rewrite_same_size(p),
+    "rewritten, mtime put back": lambda p, key: _rewrite_keeping_mtime(p),
+    "replaced by a rename": lambda p, key: _replace_by_rename(p),
+    "deleted": lambda p, key: p.unlink(),
+    "a link to the answer key": _link_to_the_key,
+    "its folder swapped for a link": lambda p, key: _folder_swapped_for_a_link(p),
+}
+
+
+@pytest.mark.parametrize(("change", "side"), [
+    (change, side) for change in CHANGES for side in ("model", "human")
+    if (change, side) != ("a link to the answer key", "human")])  # the key itself
+def test_an_input_changed_during_the_call_is_refused(
+        workspace: tuple[loss.LossJob, Path], change: str, side: str) -> None:
+    job, runs = workspace
+    prepared = prepare(job, runs)
+    folder = job.scripts_dir if side == "model" else job.work.human_dir
+    CHANGES[change](folder / "ep02.txt", job.work.human_dir)
+    with pytest.raises(InputsChangedError):
+        finish(prepared)
+    assert not job.report_path.exists()
+
+
+def test_a_write_through_a_shared_mapping_is_refused_though_the_stat_does_not_move(
+        workspace: tuple[loss.LossJob, Path]) -> None:
+    job, runs = workspace
+    path = job.scripts_dir / "ep02.txt"
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
+        mapped[0:1] = mapped[0:1]  # the page is dirty: later stores move no time
+        prepare_stat = path.stat()
+        prepared = prepare(job, runs)
+        mapped[10:60] = mapped[10:60].swapcase()
+        after = path.stat()
+        if (after.st_mtime_ns, after.st_ctime_ns) != (prepare_stat.st_mtime_ns,
+                                                      prepare_stat.st_ctime_ns):
+            pytest.skip("this file system moved the times on a mapped store")
+        with pytest.raises(InputsChangedError):
+            finish(prepared)
+    assert not job.report_path.exists()
