@@ -142,3 +142,40 @@ def test_a_scripts_folder_swapped_for_a_link_after_its_check_is_not_read_through
     with pytest.raises(dataset.RefusedError, match="leads into the answer key"):
         dataset.read_range(scripts, 1, 1, label="model", confine_to=runs,
                            answer_key=tmp_path / "data")
+
+
+@pytest.mark.parametrize("proc", [True, False], ids=["by-proc", "without-proc"])
+def test_an_episode_link_flipped_between_its_check_and_its_open_is_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proc: bool) -> None:
+    """A link at the episode itself is confined by its path, then opened by it:
+    a writer flipping it to another work's answer key in between must not get
+    that key read as its script (the other work's key is no copy of this one,
+    so no later check would catch it)."""
+    runs = tmp_path / "runs"
+    scripts = runs / "r1" / "scripts"
+    scripts.mkdir(parents=True)
+    shared = runs / "r1" / "shared.txt"
+    shared.write_text(TEXT, encoding="utf-8")
+    other_key = tmp_path / "data" / "other" / "human" / "ep01.txt"
+    other_key.parent.mkdir(parents=True)
+    other_key.write_text("INT. VAULT - NIGHT\n\nThe other work's secret line.\n", encoding="utf-8")
+    episode = scripts / "ep01.txt"
+    episode.symlink_to(shared)
+    confine = dataset.confine
+
+    def flipped_after_the_check(path: str, root: Path | None, **kw: Any) -> str:
+        real = confine(path, root, **kw)
+        if path == str(episode):
+            episode.unlink()
+            episode.symlink_to(other_key)
+        return real
+
+    monkeypatch.setattr(dataset, "confine", flipped_after_the_check)
+    if not proc:
+        readlink = os.readlink
+        monkeypatch.setattr(dataset.os, "readlink", lambda p, *a, **k: (
+            (_ for _ in ()).throw(OSError("no /proc")) if str(p).startswith("/proc/")
+            else readlink(p, *a, **k)))
+    with pytest.raises(dataset.RefusedError, match=r"ep01\.txt is a symlink that changed while"):
+        dataset.read_range(scripts, 1, 1, label="model", confine_to=runs,
+                           answer_key=tmp_path / "data" / "work" / "human")

@@ -16,7 +16,7 @@ import re
 import stat
 import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,7 +119,9 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     # A link is confined, and followed, by its path; a plain file is opened in
     # the checked folder.
     data = _read_bytes(path, st.st_size, max_bytes, nofollow=not link,
-                       folder_fd=None if link else folder_fd)
+                       folder_fd=None if link else folder_fd,
+                       opened=(lambda fd: _confine_opened(fd, path, label, confine_to,
+                                                          answer_key, st)) if link else None)
     if data is None:
         raise RefusedError(f"{label} {path} grew over the {max_bytes:,}-byte limit the "
                            "model's context window allows while it was read")
@@ -162,16 +164,20 @@ def _stat_confined(path: Path, label: str, confine_to: Path | None,
 
 
 def _read_bytes(path: Path, size: int, max_bytes: int | None = None, *,
-                nofollow: bool = True, folder_fd: int | None = None) -> bytes | None:
+                nofollow: bool = True, folder_fd: int | None = None,
+                opened: Callable[[int], None] | None = None) -> bytes | None:
     """The whole file, by descriptor: open, read, close (Path.read_bytes adds
     an fstat, an ioctl and an lseek); None if it grew past `max_bytes`.
     `size`: what stat said, a first guess. `nofollow`: a link swapped in since
-    the lstat is refused, not followed. `folder_fd`: looked up in that folder."""
+    the lstat is refused, not followed. `folder_fd`: looked up in that folder.
+    `opened(fd)`: checks what was opened before anything is read."""
     # Non-blocking: a FIFO swapped in since the stat reads as empty, not forever.
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if nofollow else 0)
     fd = os.open(path, flags) if folder_fd is None else os.open(path.name, flags,
                                                                  dir_fd=folder_fd)
     try:
+        if opened is not None:
+            opened(fd)
         chunks, total = [os.read(fd, size + 1)], 0
         while chunks[-1]:  # grown since the stat: read on to the end
             total += len(chunks[-1])
@@ -240,9 +246,26 @@ def confine(path: str, root: Path | None, *, answer_key: Path | None = None,
     return real
 
 
-def _inside(real: str, root: Path, answer_key: Path | None) -> bool:
+def _confine_opened(fd: int, path: Path, label: str, root: Path | None,
+                    answer_key: Path | None, st: os.stat_result) -> None:
+    """A link is confined by its path and then opened by it: a link or folder
+    swapped in between (a writer flipping it to another work's key) would be
+    read. So what was opened is confined again, by /proc's name for it; where
+    /proc cannot say, it must be the very file confined (device and inode)."""
+    try:
+        if _inside(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key):
+            return
+    except OSError:
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino):
+            return
+    raise RefusedError(f"{label} {path} is a symlink that changed while it was read; "
+                       "not followed")
+
+
+def _inside(real: str, root: Path | None, answer_key: Path | None) -> bool:
     """confine's rule for a real path: inside `root`, out of the answer key."""
-    return (_is_within(real, os.path.realpath(root))
+    return ((root is None or _is_within(real, os.path.realpath(root)))
             and (answer_key is None or not _is_within(real, os.path.realpath(answer_key))))
 
 
