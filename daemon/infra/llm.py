@@ -367,22 +367,24 @@ def missing_credentials(model: str, api_base: str | None = None) -> list[str]:
     """The environment variables holding an API key that `model` needs and lacks
     (litellm's validate_environment also lists base-URL variables, as ollama's
     OLLAMA_API_BASE: only keys and tokens count). Asked at every call to a local
-    server (~0.3 ms in litellm): a list found is kept while all of it is unset."""
+    server (~0.3 ms in litellm): kept while no variable is set or unset (litellm
+    takes some it does not list as missing: ANTHROPIC_AUTH_TOKEN, AWS_PROFILE)."""
     if model.startswith(BUILTIN_PREFIX):
         return []
-    if (known := _missing.get((model, api_base))) and not any(k in os.environ for k in known):
-        return list(known)
+    names = tuple(os.environ)
+    if (kept := _missing.get((model, api_base))) is not None and kept[0] == names:
+        return list(kept[1])
     try:
         report = litellm().validate_environment(model=model, api_base=api_base)
     except Exception:
         return []  # a provider litellm cannot check: the first call will say
     missing = [str(k) for k in report.get("missing_keys") or []]
     missing = [k for k in missing if "KEY" in k or "TOKEN" in k]
-    _missing[(model, api_base)] = tuple(missing)
+    _missing[(model, api_base)] = (names, tuple(missing))
     return missing
 
 
-_missing: dict[tuple[str, str | None], tuple[str, ...]] = {}
+_missing: dict[tuple[str, str | None], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
 def check_credentials(settings: LLMConfig) -> None:
