@@ -300,8 +300,13 @@ def test_sigkill_while_flex_waits_or_is_in_flight_loses_no_set_and_sends_none_tw
                        message=lambda: f"every report; {d.stderr()[-600:]}")
             wait_until(lambda: len(ws.events("loss.completed")) >= len(sets), 10,
                        message="loss.completed")
-            wait_until(lambda: {ws.state().get("sets", {}).get(s.id, {}).get("state")
-                                for s in sets} == {"done"}, 10, message="every set done")
+            def states() -> dict[str, Any]:
+                return {s.id: ws.state().get("sets", {}).get(s.id, {}) for s in sets}
+
+            # The state file is flushed at most every 10x a flush's cost
+            # (StateStore.flush_when_due): under a loaded CI, seconds apart.
+            wait_until(lambda: {r.get("state") for r in states().values()} == {"done"}, 30,
+                       message=lambda: f"every set done; {states()}; {d.stderr()[-600:]}")
         requests = server.requests
         lives.append((lives[-1][1], len(requests)))
     for first, end in lives:
