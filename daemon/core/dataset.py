@@ -237,10 +237,11 @@ def confine(path: str, root: Path | None, *, answer_key: Path | None = None,
             raise RefusedError(f"{prefix}{link} is a dangling symlink (its target {target} "
                                "does not exist)") from None
         raise
-    if answer_key is not None and _is_within(real, os.path.realpath(answer_key)):
+    broken = _broken_rule(real, root, answer_key)
+    if broken == "answer key":
         raise RefusedError(f"{prefix}{_first_link(path, root)} leads into the answer key "
                            f"({real}); not followed")
-    if root is not None and not _is_within(real, os.path.realpath(root)):
+    if broken == "root" and root is not None:
         raise RefusedError(f"{prefix}{_first_link(path, root)} is a symlink out of "
                            f"{root.name}/; not followed")
     return real
@@ -253,7 +254,7 @@ def _confine_opened(fd: int, path: Path, label: str, root: Path | None,
     read. So what was opened is confined again, by /proc's name for it; where
     /proc cannot say, it must be the very file confined (device and inode)."""
     try:
-        if _inside(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key):
+        if _broken_rule(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key) is None:
             return
     except OSError:
         got = os.fstat(fd)
@@ -263,10 +264,14 @@ def _confine_opened(fd: int, path: Path, label: str, root: Path | None,
                        "not followed")
 
 
-def _inside(real: str, root: Path | None, answer_key: Path | None) -> bool:
-    """confine's rule for a real path: inside `root`, out of the answer key."""
-    return ((root is None or _is_within(real, os.path.realpath(root)))
-            and (answer_key is None or not _is_within(real, os.path.realpath(answer_key))))
+def _broken_rule(real: str, root: Path | None, answer_key: Path | None) -> str | None:
+    """The symlink rule for a real path, in one place: "answer key" if it lies in
+    the answer key, "root" if out of `root`, None if it may be read."""
+    if answer_key is not None and _is_within(real, os.path.realpath(answer_key)):
+        return "answer key"
+    if root is not None and not _is_within(real, os.path.realpath(root)):
+        return "root"
+    return None
 
 
 def _is_within(path: str, root: str) -> bool:
@@ -331,7 +336,7 @@ def _open_confined(directory: Path, root: Path, answer_key: Path | None,
     if fd >= 0:
         inside = False
         try:
-            inside = _inside(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key)
+            inside = _broken_rule(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key) is None
         except OSError:
             pass
         finally:
