@@ -189,17 +189,15 @@ class Jobs:
                     return  # a paid reply not handled yet: the next start handles it
                 try:
                     if finish is not None:
-                        decision = await self._run_paid(ticket, finish)
+                        await self._settle(outcome, self._finish_and_decide, ticket, finish)
                     else:
-                        decision = await self._run_loss(ticket, outcome)
+                        await self._run_loss(ticket, outcome)
                 except NotWanted as e:
-                    decision = e.decision
+                    wanted = e.decision
+                    await self._settle(outcome, lambda: wanted)
                 except Exception:
                     self.log.exception("loss.failed", reason="internal error")
-                    decision = await self._in_pool(self.pipeline.internal_error, ticket)
-                # Applied by the owner in the pool: its writes and the step's
-                # barrier stay off the loop.
-                await self._in_pool(outcome.set_result, decision)
+                    await self._settle(outcome, self.pipeline.internal_error, ticket)
         finally:
             self._tasks.discard(task)
             with self._lock:
@@ -207,14 +205,18 @@ class Jobs:
             if not outcome.done():  # cancelled at shutdown: the claim goes, nothing else
                 outcome.cancel()
 
-    async def _run_paid(self, ticket: Ticket, finish: Finish) -> Decision:
-        """A batch reply, paid for: no slot, no still-wanted check (finish compares
-        the input hashes); the same outcomes as a live reply."""
-        return await self._in_pool(self._finish_and_decide, ticket, finish)
+    async def _settle(self, outcome: Outcome, decide: Callable[..., Decision],
+                      *args: Any) -> None:
+        """The job's Decision, made and applied by the owner (outcome.set_result) in
+        one turn of the pool: the owner's writes and the step's barrier stay off
+        the loop, and a job costs one hand-off fewer between the threads."""
+        def decide_and_apply() -> None:
+            outcome.set_result(decide(*args))
+
+        await self._in_pool(decide_and_apply)
 
     def _finish_and_decide(self, ticket: Ticket, finish: Finish) -> Decision:
-        """A reply checked and written, then its outcome decided, in one turn of
-        the pool: each turn wakes a pool thread and then the loop."""
+        """A reply checked and written, then its outcome decided."""
         result: loss.LossResult | None = None
         error: BaseException | None = None
         try:
@@ -234,7 +236,7 @@ class Jobs:
         if (held := self.budget.hold(key)) is not None:
             raise NotWanted(held)  # queued before the budget ran out; it must not start now
 
-    async def _run_loss(self, ticket: Ticket, outcome: Outcome) -> Decision:
+    async def _run_loss(self, ticket: Ticket, outcome: Outcome) -> None:
         settings = self.cfg.llm
         # Held from before the inputs are read until the outcome is decided
         # (spend included), given back during backoffs.
@@ -246,7 +248,7 @@ class Jobs:
         try:
             await slot.take()  # a job starts when its endpoint has room for its call
         except LLMError as e:  # the provider refuses the key: the set waits, unsent
-            return await self._in_pool(self.pipeline.decide, ticket, None, e)
+            return await self._settle(outcome, self.pipeline.decide, ticket, None, e)
         finally:
             self._waiting.discard(task)
         self.in_call += 1
@@ -262,10 +264,10 @@ class Jobs:
                     self.complete, prepared.messages, settings, watch=self.flex,
                     on_retry=retry, sleep=self._interruptible_sleep, slot=slot)
             except EXPECTED as e:
-                return await self._in_pool(self.pipeline.decide, ticket, None, e)
+                return await self._settle(outcome, self.pipeline.decide, ticket, None, e)
             # Checks, guard, re-read, then the atomic write: in the pool.
-            return await self._in_pool(self._finish_and_decide, ticket,
-                                       lambda: self.pipeline.finish(prepared, completion))
+            await self._settle(outcome, self._finish_and_decide, ticket,
+                               lambda: self.pipeline.finish(prepared, completion))
         finally:
             slot.give_back()
             self.in_call -= 1
