@@ -207,8 +207,9 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
 
     human, model = read_inputs()
     # Read once per job: for the copy check now and the leak index after the call.
-    all_human = job.work.read_all_human()
-    _refuse_copies_of_the_answer_key(job, model, all_human)
+    human_files = job.work.read_human_files()
+    _refuse_copies_of_the_answer_key(job, model, human_files)
+    all_human = dataset.by_episode(human_files)
     # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
     key_index = leakguard.index_for(job.work.name, {**all_human, **human})
     # Before the call: an error about it may echo this key into the log.
@@ -423,17 +424,16 @@ def _guard(report: str, job: LossJob, seal: sealed_write.Seal,
 
 
 def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],
-                                     all_human: dict[int, str]) -> None:
+                                     human_files: dict[str, str]) -> None:
     """A model episode with the content of any human episode of the work (a hard
     link, a copy) is the answer key under another name: never sent, never archived."""
-    human_hashes = {dataset.sha256_text(text): n for n, text in all_human.items()}
+    human_hashes = {dataset.sha256_text(text): name for name, text in human_files.items()}
     for n, text in sorted(model.items()):
-        human_n = human_hashes.get(dataset.sha256_text(text))
-        if human_n is not None:
+        human_name = human_hashes.get(dataset.sha256_text(text))
+        if human_name is not None:
             raise RefusedError(
                 f"model episode {job.scripts_dir / dataset.episode_name(n)} has the content "
-                f"of human {dataset.episode_name(human_n)} (a link to or copy of the answer "
-                "key); not sent")
+                f"of human {human_name} (a link to or copy of the answer key); not sent")
 
 
 def _check_unchanged(job: LossJob, hashes: InputHashes,

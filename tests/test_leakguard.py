@@ -690,6 +690,30 @@ def test_a_job_that_read_a_key_the_log_does_not_hold_makes_it_look_now(
         leakguard.install(None)
 
 
+@pytest.mark.parametrize("second_name", ["ep001.txt", "ep0001.txt", "ep00001.txt"])
+def test_two_files_of_one_episode_are_both_the_key(tmp_path: Path, second_name: str) -> None:
+    # ep01.txt and ep001.txt both name episode 1. The live keys kept whichever
+    # the folder listing gave last, so the log was checked against the other
+    # text; a job's own index (and its copy check) saw only ep01.txt.
+    from skilltrain.daemon.core import dataset
+    from skilltrain.daemon.guard.leakguard_live import LiveAnswerKeys
+
+    data = _live_data(tmp_path)
+    human = data / "farm" / "human"
+    line = "Quillon pawned the brass sextant to settle the ferry debt of the marsh parish."
+    (human / second_name).write_text(f"MARTHA\n{line}\n", encoding="utf-8")
+    for name in ("ep01.txt", second_name):
+        assert dataset.episode_number(name) == 1
+    keys = LiveAnswerKeys(data).current()
+    work = dataset.load_work(data / "farm")
+    job_index = leakguard.index_for("farm", work.read_all_human())
+    for quoted in (line, "I was going to put every penny back before the auction."):
+        assert keys.leaks(f"She says {quoted}"), quoted
+        assert find_leaks(f"She says {quoted}", job_index), quoted
+    assert work.human_episodes() == [1]
+    assert sorted(work.read_human_files()) == sorted(["ep01.txt", second_name])
+
+
 MARKUP_DISGUISES = ["backtick inside", "star inside", "bold inside", "underscore inside",
                     "tilde inside", "backtick for apostrophe", "HTML backtick inside",
                     "soft hyphen at line breaks", "hyphen at line breaks",

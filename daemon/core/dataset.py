@@ -377,7 +377,6 @@ def _check_total(stats: Mapping[Path, Stated | None], max_bytes: int, what: str)
                            f"{sizes[largest]:,} bytes)")
 
 
-# human/ folder -> ((inode, mtime_ns), episode numbers) of its last listing.
 RACY_MTIME_NS = 2_000_000_000
 
 
@@ -388,7 +387,8 @@ def racily_clean(changed_ns: int) -> bool:
     return time.time_ns() - changed_ns <= RACY_MTIME_NS
 
 
-_human_listing: dict[Path, tuple[tuple[int, int], tuple[int, ...]]] = {}
+# human/ folder -> ((inode, mtime_ns), its episode files' names) of its last listing.
+_human_listing: dict[Path, tuple[tuple[int, int], tuple[str, ...]]] = {}
 
 
 @dataclass(frozen=True)
@@ -406,22 +406,27 @@ class Work:
 
     def human_episodes(self) -> list[int]:
         """Episode numbers present in human/, sorted."""
+        return sorted({n for name in self.human_files() if (n := episode_number(name)) is not None})
+
+    def human_files(self) -> tuple[str, ...]:
+        """The names in human/ that are episodes, sorted (ep01.txt and ep001.txt are
+        both episode 1: both are the answer key)."""
         try:
             st = os.stat(self.human_dir)
         except OSError:
-            return []
+            return ()
         if not stat.S_ISDIR(st.st_mode):
-            return []
+            return ()
         # Asked after every job (is the step complete?): the folder is listed
         # again only when its mtime says a name was added, removed or renamed.
         seen = (st.st_ino, st.st_mtime_ns)
         cached = _human_listing.get(self.human_dir)
         if cached is not None and cached[0] == seen:
-            return list(cached[1])
-        numbers = (episode_number(entry.name) for entry in os.scandir(self.human_dir))
-        found = sorted(n for n in numbers if n is not None)
+            return cached[1]
+        found = tuple(sorted(entry.name for entry in os.scandir(self.human_dir)
+                             if episode_number(entry.name) is not None))
         if not racily_clean(st.st_mtime_ns):
-            _human_listing[self.human_dir] = (seen, tuple(found))
+            _human_listing[self.human_dir] = (seen, found)
         return found
 
     def ranges(self, episodes_per_report: int) -> list[tuple[int, int]]:
@@ -434,14 +439,30 @@ class Work:
         return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes)
 
     def read_all_human(self) -> dict[int, str]:
-        """Every readable human episode (for the leak audit); unreadable ones are skipped."""
-        episodes = {}
-        for n in self.human_episodes():
+        """The whole answer key, by episode (the leak indexes, the audit): every
+        readable episode file; unreadable ones are skipped. Two files of one
+        number (ep01.txt, ep001.txt) are both key text: joined under it."""
+        return by_episode(self.read_human_files())
+
+    def read_human_files(self) -> dict[str, str]:
+        """Every readable episode file of human/ by name (a copy of any of them is
+        the answer key under another name); unreadable ones are skipped."""
+        files = {}
+        for name in self.human_files():
             try:
-                episodes[n] = read_episode(self.human_dir / episode_name(n), label="human episode")
+                files[name] = read_episode(self.human_dir / name, label="human episode")
             except RefusedError:
                 continue
-        return episodes
+        return files
+
+
+def by_episode(files: Mapping[str, str]) -> dict[int, str]:
+    """Episode files' texts by number; two files of one number joined, in name order."""
+    episodes: dict[int, str] = {}
+    for name in sorted(files):
+        if (n := episode_number(name)) is not None:
+            episodes[n] = f"{episodes[n]}\n\n{files[name]}" if n in episodes else files[name]
+    return episodes
 
 
 def chunk(numbers: Iterable[int], size: int) -> Iterable[tuple[int, int]]:

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..core import dataset
-from ..core.errors import RefusedError
 from . import leakguard
 
 CHECK_EVERY_S = 0.5
@@ -113,25 +112,16 @@ def _signature(data_root: Path) -> tuple[Signature, bool]:
 
 
 def _read_works(data_root: Path) -> dict[str, dict[int, str]]:
-    """Every readable human episode of every work folder (unreadable ones skipped)."""
+    """Every work folder's answer key, read as the jobs read it (Work.read_all_human:
+    every episode file, two of one number both kept)."""
     works: dict[str, dict[int, str]] = {}
     try:
         folders = sorted(os.scandir(data_root), key=lambda e: e.name)
     except OSError:
         return works
     for folder in folders:
-        human = Path(folder.path) / "human"
-        if not human.is_dir():
-            continue
-        episodes: dict[int, str] = {}
-        for entry in os.scandir(human):
-            n = dataset.episode_number(entry.name)
-            if n is None:
-                continue
-            try:
-                episodes[n] = dataset.read_episode(Path(entry.path), label="human episode")
-            except RefusedError:
-                continue
-        if episodes:
+        work = dataset.Work(name=folder.name, root=Path(folder.path), title=folder.name,
+                            explicit_ranges=None)
+        if episodes := work.read_all_human():
             works[folder.name] = episodes
     return works
