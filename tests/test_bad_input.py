@@ -162,10 +162,10 @@ DONE = [
 REFUSED = {
     SetId(R, 1, 1, "hmiss", 4, 6): "no human episodes 4-6",
     SetId(R, 1, 1, "hempty", 1, 3): "ep02.txt is empty (0 bytes)",
-    SetId(R, 1, 1, "hblank", 1, 3): "ep01.txt is empty (whitespace only)",
+    SetId(R, 1, 1, "hblank", 1, 3): "ep01.txt is empty (no letter or digit",
     SetId(R, 1, 1, "hutf8", 1, 3): "ep03.txt is not valid UTF-8 (byte 4)",
     SetId(R, 1, 1, "hdir", 1, 3): "ep02.txt is not a regular file",
-    SetId(R, 1, 1, "mblank", 1, 3): "ep01.txt is empty (whitespace only)",
+    SetId(R, 1, 1, "mblank", 1, 3): "ep01.txt is empty (no letter or digit",
     SetId(R, 1, 1, "mutf8", 1, 3): "ep02.txt is not valid UTF-8 (byte 5)",
 }
 WAITING = {

@@ -447,7 +447,10 @@ def _symlink_to_answer_key(scripts: Path) -> None:
         (_missing_range, r"^no model episodes 1-3 in .*/scripts$"),
         (_unlink_ep02, r"^model episode ep02\.txt is missing in .*/scripts$"),
         (_write("ep02.txt", b""), r"ep02\.txt is empty \(0 bytes\)$"),
-        (_write("ep02.txt", b" \n\t\n  \n"), r"ep02\.txt is empty \(whitespace only\)$"),
+        (_write("ep02.txt", b" \n\t\n  \n"), r"ep02\.txt is empty \(no letter or digit: "),
+        (_write("ep02.txt", "\ufeff\n".encode()), r"ep02\.txt is empty \(no letter or digit: "),
+        (_write("ep02.txt", "\u200b\u2060\u200c \u200d\n".encode()),
+         r"ep02\.txt is empty \(no letter or digit: "),
         (
             _write("ep02.txt", b"INT. ROOM - DAY\n\nCaf\xe9 au lait.\n"),
             r"ep02\.txt is not valid UTF-8 \(byte 20\)$",
@@ -460,6 +463,8 @@ def _symlink_to_answer_key(scripts: Path) -> None:
         "one-missing",
         "empty",
         "whitespace",
+        "bom-only",
+        "zero-width-only",
         "not-utf8",
         "directory",
         "symlink-out",
@@ -751,8 +756,10 @@ def test_a_prompt_that_fits_by_its_bytes_is_not_counted(
 @pytest.mark.parametrize(
     ("reply", "message"),
     [
-        (Reply.empty(), r"^the model returned an empty report for example ep01-03$"),
-        (Reply.ok(" \n\n \t"), r"^the model returned an empty report for example ep01-03$"),
+        (Reply.empty(), r"^the model returned an empty report for example ep01-03 \(no "),
+        (Reply.ok(" \n\n \t"), r"^the model returned an empty report for example ep01-03 \(no "),
+        (Reply.ok("\u200b\u200b\ufeff\u2060\n"), r"empty report for example ep01-03 \(no "),
+        (Reply.ok(REPORT + " \ud800 " + REPORT), r"is not prose: a lone surrogate U\+D800 at "),
         (
             Reply.truncated(),
             r"^the report for example ep01-03 was cut off \(finish_reason=length, \d+ tokens out",
@@ -762,7 +769,7 @@ def test_a_prompt_that_fits_by_its_bytes_is_not_counted(
             r"was cut off \(finish_reason=content_filter",
         ),
     ],
-    ids=["empty", "whitespace", "truncated", "content-filter"],
+    ids=["empty", "whitespace", "invisible-only", "lone-surrogate", "truncated", "content-filter"],
 )
 def test_empty_or_cut_off_report_is_refused_and_nothing_is_written(
     tmp_path: Path,
@@ -778,6 +785,20 @@ def test_empty_or_cut_off_report_is_refused_and_nothing_is_written(
         run(job, settings())
 
     assert llm_server.request_count == 1  # not retried: the same prompt gives the same cut
+    assert_nothing_written(job, tmp_path)
+
+
+def test_a_reply_that_does_not_say_it_ended_is_refused(
+    tmp_path: Path, job: loss.LossJob, settings: SettingsFactory
+) -> None:
+    # litellm says "stop" for a live reply with no finish_reason; a provider
+    # batch's result file is read by our own code, and a missing reason there
+    # must not pass for a complete report.
+    prepared = loss.prepare(job, settings=settings(), templates=PromptTemplates(PROMPTS))
+    completion = llm.Completion(text=REPORT, finish_reason=None, tokens_in=100, tokens_out=50,
+                                tokens_cached=0, cost_usd=None, attempts=1)
+    with pytest.raises(RefusedError, match=r"does not say it is complete \(no finish_reason\)"):
+        loss.finish(prepared, completion)
     assert_nothing_written(job, tmp_path)
 
 

@@ -129,8 +129,9 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RefusedError(f"{label} {path} is not valid UTF-8 (byte {e.start})") from None
-    if not text.strip():
-        raise RefusedError(f"{label} {path} is empty (whitespace only)")
+    if not has_words(text):
+        raise RefusedError(f"{label} {path} is empty (no letter or digit: whitespace or "
+                           "invisible characters only)")
     if problem := control_characters(text):
         raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
     if (keep and len(data) == st.st_size
@@ -202,6 +203,16 @@ def _keep_text(path: Path, identity: tuple[int, ...], text: str) -> None:
 # and form feed (page breaks in screenplay exports). A NUL-filled file, a
 # binary, or terminal escape codes are not text a report can be made from.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+
+
+# A letter or digit of any script: what text with something to read has (a BOM,
+# zero-width spaces and other format characters are neither, nor whitespace).
+_WORD_CHARACTER = re.compile(r"[^\W_]")
+
+
+def has_words(text: str) -> bool:
+    """Whether `text` has anything to read: at least one letter or digit."""
+    return _WORD_CHARACTER.search(text) is not None
 
 
 def control_characters(text: str) -> str | None:
