@@ -343,3 +343,27 @@ def test_a_copy_of_the_key_among_the_episodes_allows_nothing(tmp_path: Path) -> 
     files = {str(h.file.relative_to(tmp_path)) for h in hits}
     assert "r1/loss/epoch_00/step_00/beauty_ep01-03.md" in files
     assert "r1/epoch_00/step_00/beauty/scripts/ep01.txt" in files
+
+
+def test_the_start_audit_reads_again_what_older_reading_rules_found_clean(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from skilltrain.daemon.core import dataset, textnorm
+    from skilltrain.daemon.service import start_audit
+
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    (data / "farm" / "human").mkdir(parents=True)
+    (data / "farm" / "human" / "ep01.txt").write_text(
+        "MARTHA\nThe money in the biscuit tin was never yours to spend.\n", encoding="utf-8")
+    (runs / "r1").mkdir(parents=True)
+    (runs / "r1" / "notes.md").write_text("Nothing of the key.\n", encoding="utf-8")
+    works = dataset.discover_works(data)
+
+    def audit() -> dict[str, object]:
+        events: list[dict[str, object]] = []
+        start_audit.audit_runs(runs, works, data, lambda event, **f: events.append(f))
+        return events[-1]
+
+    assert audit()["skipped"] == 0
+    assert audit()["skipped"] == 1  # unchanged, clean against the same keys
+    monkeypatch.setattr(textnorm, "VERSION", textnorm.VERSION + 1)
+    assert audit()["skipped"] == 0  # clean under the old rules says nothing now

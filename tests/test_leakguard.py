@@ -737,6 +737,32 @@ def test_markup_inside_words_does_not_split_them(disguise: str) -> None:
         assert find_leaks(redact(report, leaks), index) == []
 
 
+INVISIBLE_AND_LATIN_DISGUISES = [
+    "Mongolian free variation selector inside", "variation selector 17 inside",
+    "combining grapheme joiner inside", "Hangul filler between",
+    "halfwidth Hangul filler between", "small capitals", "Latin alpha and script g",
+    "Latin letters with hooks"]
+
+
+@pytest.mark.parametrize("disguise", INVISIBLE_AND_LATIN_DISGUISES)
+def test_invisible_characters_and_latin_letter_variants_do_not_hide_a_quote(
+        disguise: str) -> None:
+    # Characters Unicode shows as nothing or as a blank (Default_Ignorable_Code_Point)
+    # that are not format characters, and Latin letters NFKC leaves alone
+    # (small capitals, alpha, letters with hooks): a review got each past the
+    # guard, the log seal and the audit.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    for line in adversarial.quotable_lines(key):
+        report = adversarial.report_quoting(adversarial.DISGUISES[disguise](line))
+        leaks = find_leaks(report, index)
+        assert leaks, line
+        assert find_leaks(redact(report, leaks), index) == []
+        assert leakguard.AnswerKeys([index]).leaks(report)
+
+
 def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:
     text = "He grab`bed it, what_in_the_world, Wouldn`t he?"
     views = textnorm.readings(text, offsets=True)

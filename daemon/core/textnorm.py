@@ -18,10 +18,15 @@ Steps, in order:
    Then a soft hyphen at a line's end joins the word across the break.
 2. every non-ASCII character folded on its own: format characters (category
    Cf: zero-width space and joiners, soft hyphen, word joiner, BOM, bidi
-   marks) removed -- or, in the second reading, made a word separator;
-   look-alike letters to Latin; typography to ASCII (’ -> ', — -> -, nbsp ->
-   space); NFKC (full-width letters, ligatures); case folded; accents
-   stripped (NFKD without combining marks); œ æ ø ł đ ı spelled out.
+   marks) and every other character Unicode says to show as nothing
+   (Default_Ignorable_Code_Point: variation selectors, Mongolian free
+   variation selectors, the combining grapheme joiner, Hangul fillers)
+   removed -- or, in the second reading, made a word separator; look-alike
+   letters to Latin; typography to ASCII (’ -> ', — -> -, nbsp -> space);
+   NFKC (full-width letters, ligatures); case folded; accents stripped
+   (NFKD without any combining mark); œ æ ø ł đ ı spelled out; a Latin
+   letter NFKD keeps (small capital, alpha, script g, a letter with a hook)
+   read as the letter its Unicode name says.
 3. ASCII lower-cased; words are runs of letters and digits, apostrophes
    joining ("don't" -> "dont").
 4. A reading with markup inside words is read once more with it removed
@@ -56,6 +61,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DECODE_LEVELS = 4
+# Bump when any text reads differently: what was found clean before (the
+# start audit's cache) may not be clean now.
+VERSION = 2
 
 _APOSTROPHE = "'"
 # One pattern per escape family, each with a literal first character: the
@@ -94,7 +102,27 @@ def _decode(m: re.Match[str]) -> str:
 def _shown(ch: str) -> bool:
     """Printable, a space, or a format character (&shy; and &#x200B; are the
     soft hyphen and zero-width space: folding reads them inside a word)."""
-    return ch.isprintable() or ch == " " or unicodedata.category(ch) == "Cf"
+    return ch.isprintable() or ch == " " or _is_format(ch)
+
+
+# Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt) beyond
+# category Cf: shown as nothing, or as a blank (the Hangul fillers), so a
+# reader sees through them as through a zero-width space.
+_IGNORABLE_RANGES = ((0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F),
+                     (0x2065, 0x2065), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFFA0, 0xFFA0),
+                     (0xFFF0, 0xFFF8), (0xE0000, 0xE0FFF))
+# Those that attach to the character before them (selectors, the grapheme
+# joiner, Khmer's inherent vowels): inside a word in the reading by use.
+_ATTACHING = "".join(chr(c) for lo, hi in ((0x034F, 0x034F), (0x17B4, 0x17B5), (0x180B, 0x180D),
+                                          (0x180F, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
+                     for c in range(lo, hi + 1))
+
+
+def _is_format(ch: str) -> bool:
+    """A format character, or another one Unicode says to show as nothing."""
+    code = ord(ch)
+    return unicodedata.category(ch) == "Cf" or any(lo <= code <= hi
+                                                   for lo, hi in _IGNORABLE_RANGES)
 
 
 # Letters that look like Latin ones, mapped to them (lower case: folded after).
@@ -121,21 +149,39 @@ _TYPOGRAPHY = (
 )
 # Letters that NFKD does not decompose but an English writer types without.
 _LETTERS = str.maketrans({"œ": "oe", "æ": "ae", "ø": "o", "ł": "l", "đ": "d", "ı": "i"})
-_MARKS = re.compile(r"[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe00-\ufe2f]+")
+# A Latin letter by its Unicode name: "LATIN LETTER SMALL CAPITAL H",
+# "LATIN SMALL LETTER D WITH HOOK", "LATIN SMALL LETTER SCRIPT G". Turned and
+# reversed letters do not match: they read as other letters.
+_LATIN_NAME = re.compile(r"LATIN (?:SMALL |CAPITAL )?LETTER (?:SMALL CAPITAL |DOTLESS |SCRIPT )?"
+                         r"([A-Z])(?: WITH [A-Z ]+)?")
+_LATIN_NAMED = {"LATIN SMALL LETTER ALPHA": "a", "LATIN CAPITAL LETTER ALPHA": "a",
+                "LATIN SMALL LETTER IOTA": "i", "LATIN CAPITAL LETTER IOTA": "i",
+                "LATIN SMALL LETTER OPEN E": "e", "LATIN SMALL LETTER OPEN O": "o",
+                "LATIN SMALL LETTER UPSILON": "u"}
 
 
 def _fold_char(ch: str, format_as: str) -> str:
     """One non-ASCII character in its normalised form (any length, maybe empty)."""
-    if unicodedata.category(ch) == "Cf":
+    if _is_format(ch):
         return format_as
     if ch in _TYPOGRAPHY:
         return _TYPOGRAPHY[ch]
     ch = ch.translate(_LOOKALIKES)
     s = unicodedata.normalize("NFKC", ch).casefold()
     if not s.isascii():
-        s = _MARKS.sub("", unicodedata.normalize("NFKD", s)).translate(_LETTERS)
+        s = "".join(c for c in unicodedata.normalize("NFKD", s)
+                    if unicodedata.category(c) not in ("Mn", "Me")).translate(_LETTERS)
         s = "".join(_TYPOGRAPHY.get(c, c) for c in s.translate(_LOOKALIKES))
+        s = "".join(c if c.isascii() else _latin_letter(c) for c in s)
     return s
+
+
+def _latin_letter(ch: str) -> str:
+    """The Latin letter `ch` is a variant of, by its Unicode name; else `ch`."""
+    name = unicodedata.name(ch, "")
+    if (match := _LATIN_NAME.fullmatch(name)) is not None:
+        return match.group(1).lower()
+    return _LATIN_NAMED.get(name, ch)
 
 
 class _FoldTable(dict[int, str]):
@@ -165,17 +211,20 @@ _JOIN = _FoldTable("")  # format characters removed: inside a word
 _SPLIT = _FoldTable(" ")  # format characters as separators: between words
 # Each by its use: soft hyphen, joiners, word joiner and BOM inside words, the
 # rest (zero-width space, bidi marks) between them; for a text that mixes both.
-_BY_USE = _FoldTable(" ", joiners="\u00ad\u200c\u200d\u2060\ufeff")
+_BY_USE = _FoldTable(" ", joiners="\u00ad\u200c\u200d\u2060\ufeff" + _ATTACHING)
 
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
-# Every format character (category Cf): a text with none is read once.
+# Every format character (category Cf) and other ignorable one: a text with
+# none is read once.
 _FORMAT = re.compile(
     "["
     + "".join(re.escape(chr(c)) for c in range(0x80, 0x10000)
               if unicodedata.category(chr(c)) == "Cf")
     + "\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
-    + "\U0001d173-\U0001d17a\U000e0001-\U000e007f]"
+    + "\U0001d173-\U0001d17a\U000e0001-\U000e007f"
+    + "".join(f"{re.escape(chr(lo))}-{re.escape(chr(hi))}" for lo, hi in _IGNORABLE_RANGES)
+    + "]"
 )
 _ASCII_UPPER = str.maketrans({chr(c): chr(c + 32) for c in range(65, 91)})
 # ASCII: letters and digits stay (lower-cased), the apostrophe goes, the rest separates.

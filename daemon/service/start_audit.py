@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ..core import dataset, layout
+from ..core import dataset, layout, textnorm
 from ..guard import audit, leakguard, sealed_write
 
 CACHE = "audit-cache.json"  # in runs/.skilltrain/
@@ -30,8 +30,9 @@ def audit_runs(runs: Path, works: Mapping[str, dataset.Work], data_root: Path,
     human = {name: episodes for name, work in works.items()
              if (episodes := work.read_all_human())}
     indexes = [leakguard.index_for(name, episodes) for name, episodes in human.items()]
-    keys_digest = dataset.sha256_text(
-        "".join(f"{name}:{dataset.episodes_digest(eps)}\n" for name, eps in human.items()))
+    # The keys and how text is read: a file clean under older reading rules is read again.
+    keys_digest = dataset.sha256_text(f"textnorm {textnorm.VERSION}\n" + "".join(
+        f"{name}:{dataset.episodes_digest(eps)}\n" for name, eps in human.items()))
     cache_path = runs / layout.STATE_DIR / CACHE
     old = _read_cache(cache_path, keys_digest)
     new: dict[str, list[int]] = {}

@@ -47,6 +47,14 @@ def _between(mark: str) -> Callable[[str], str]:
 
 
 # Every disguise the guard must see through; each keeps the words, changes the text.
+# Latin letter small capitals (IPA, and the "small caps" of Unicode text generators).
+_SMALL_CAPITALS = str.maketrans({
+    "a": "\u1d00", "b": "\u0299", "c": "\u1d04", "d": "\u1d05", "e": "\u1d07", "f": "\ua730",
+    "g": "\u0262", "h": "\u029c", "i": "\u026a", "j": "\u1d0a", "k": "\u1d0b", "l": "\u029f",
+    "m": "\u1d0d", "n": "\u0274", "o": "\u1d0f", "p": "\u1d18", "r": "\u0280", "s": "\ua731",
+    "t": "\u1d1b", "u": "\u1d1c", "v": "\u1d20", "w": "\u1d21", "y": "\u028f", "z": "\u1d22",
+})
+
 DISGUISES: dict[str, Callable[[str], str]] = {
     "plain": lambda s: s,
     "upper": str.upper,
@@ -94,6 +102,17 @@ DISGUISES: dict[str, Callable[[str], str]] = {
                                                       _inside("`")(s)),
     "HTML tags inside": _inside("<b></b>"),
     "Markdown escape inside": _inside("\\_"),
+    # Characters Unicode shows as nothing or as a blank that are not format
+    # characters (Default_Ignorable_Code_Point), and Latin letters NFKC keeps:
+    # a helper's review got each past the guard.
+    "Mongolian free variation selector inside": _inside("\u180b"),
+    "variation selector 17 inside": _inside("\U000e0100"),
+    "combining grapheme joiner inside": _inside("\u034f"),
+    "Hangul filler between": _between("\u3164"),
+    "halfwidth Hangul filler between": _between("\uffa0"),
+    "small capitals": lambda s: s.translate(_SMALL_CAPITALS),
+    "Latin alpha and script g": lambda s: s.replace("a", "\u0251").replace("g", "\u0261"),
+    "Latin letters with hooks": lambda s: s.replace("d", "\u0257").replace("h", "\u0266"),
 }
 
 
