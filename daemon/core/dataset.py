@@ -129,11 +129,11 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RefusedError(f"{label} {path} is not valid UTF-8 (byte {e.start})") from None
+    if problem := control_characters(text):
+        raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
     if not has_words(text):
         raise RefusedError(f"{label} {path} is empty (no letter or digit: whitespace or "
                            "invisible characters only)")
-    if problem := control_characters(text):
-        raise RefusedError(f"{label} {path} is not a screenplay: {problem}")
     if (keep and len(data) == st.st_size
             and not racily_clean(max(st.st_mtime_ns, st.st_ctime_ns))):
         _keep_text(path, identity, text)
