@@ -141,6 +141,7 @@ class Prepared:
     human_stats: craft_measuring.ScreenplayStats = field(repr=False)
     model_stats: craft_measuring.ScreenplayStats = field(repr=False)
     key_index: leakguard.HumanIndex = field(repr=False)
+    other_keys: tuple[leakguard.HumanIndex, ...] = field(repr=False)  # every other work's
     template_path: Path
     prompt_tokens: int | None
     read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]] = field(repr=False)
@@ -214,6 +215,8 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     key_index = leakguard.index_for(job.work.name, {**all_human, **human})
     # Before the call: an error about it may echo this key into the log.
     leakguard.keep_current(key_index)
+    other_keys = _other_works_keys(job)
+    _refuse_copies_of_other_works(job, model, other_keys)
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
@@ -239,7 +242,7 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     return Prepared(job=job, settings=settings, hashes=hashes, messages=messages,
                     prompt=prompt, archive=archive, skeleton=skeleton, slot=slot,
                     model_block=model_block, model=model, human_stats=human_stats,
-                    model_stats=model_stats, key_index=key_index,
+                    model_stats=model_stats, key_index=key_index, other_keys=other_keys,
                     template_path=template.path, prompt_tokens=prompt_tokens,
                     read_inputs=read_inputs, started_at=started_at, t0=t0)
 
@@ -274,7 +277,8 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
                            f"{completion.tokens_out:,} tokens out)")
 
     # One seal for the job: what its guard found clean the writer need not read again.
-    seal = sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values()))
+    seal = sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values()),
+                             others=prepared.other_keys)
     report, leaks = _guard(report, job, seal, on_leak)
     claims = craft_claims.check_report(report, prepared.human_stats, prepared.model_stats)
     if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
@@ -446,6 +450,26 @@ def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],
             raise RefusedError(
                 f"model episode {job.scripts_dir / dataset.episode_name(n)} has the content "
                 f"of human {human_name} (a link to or copy of the answer key); not sent")
+
+
+def _other_works_keys(job: LossJob) -> tuple[leakguard.HumanIndex, ...]:
+    """Every other work's index the daemon keeps (none for a command run alone)."""
+    keys = leakguard.installed()
+    return tuple(i for i in keys.indexes if i.work != job.work.name) if keys else ()
+
+
+def _refuse_copies_of_other_works(job: LossJob, model: dict[int, str],
+                                  others: tuple[leakguard.HumanIndex, ...]) -> None:
+    """A model episode with the content of another work's human episode (a hard
+    link, a copy): that work's key under this work's name, never sent."""
+    for n, text in sorted(model.items()):
+        digest = dataset.sha256_text(text)
+        for index in others:
+            if digest in index.episode_digests:
+                raise RefusedError(
+                    f"model episode {job.scripts_dir / dataset.episode_name(n)} has the "
+                    f"content of a human episode of work {index.work} (a link to or copy "
+                    "of its answer key); not sent")
 
 
 def _check_unchanged(job: LossJob, hashes: InputHashes,

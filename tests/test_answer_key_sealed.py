@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -363,3 +364,60 @@ def test_a_key_edited_while_the_daemon_runs_is_guarded_in_the_log_without_a_rest
     assert "[verbatim answer-key passage removed]" in log
     assert "sextant" not in log and "tallow" not in log
     assert not [e for e in ws.events("loss.queued") if e["run"] != "r1"]
+
+
+# ------------------------------------------------------------ other works' keys
+
+
+def other_work_workspace(tmp_path: Path, server: LLMServer) -> Workspace:
+    """Two works: "beauty" (the corpus screenplay as its key) and "other"; a
+    finished step whose run scores only "other"."""
+    ws = build_workspace(tmp_path / "ws", server.url, works={"beauty": 6, "other": 6},
+                         max_attempts=1)
+    for ep, text in KEY.items():
+        (ws.data / "beauty" / "human" / f"ep{ep:02d}.txt").write_text(text, encoding="utf-8")
+    ws.write_step("r1", 0, 0, works=["other"], success=True)
+    (ws.runs / "r1" / "run.toml").write_text('works = ["other"]\n', encoding="utf-8")
+    return ws
+
+
+@pytest.mark.parametrize("how", ["hard link", "copy"])
+def test_another_works_key_in_the_scripts_is_refused_unsent(
+        tmp_path: Path, llm_server: LLMServer, how: str) -> None:
+    # The copy check knew only the set's own work: another work's episode,
+    # hard-linked or copied into scripts/, was sent, archived whole and quotable.
+    ws = other_work_workspace(tmp_path, llm_server)
+    script = ws.scripts("r1", 0, 0, "other") / "ep02.txt"
+    script.unlink()
+    key_episode = ws.data / "beauty" / "human" / "ep02.txt"
+    if how == "hard link":
+        os.link(key_episode, script)
+    else:
+        shutil.copy(key_episode, script)
+
+    run_once_in_process(ws)
+
+    (refused,) = ws.events("loss.refused", range="01-03")
+    assert "content of a human episode of work beauty" in refused["reason"]
+    assert not [r for r in llm_server.requests if human_runs(prompt_of(r))]
+    assert_sealed(ws)
+
+
+def test_a_report_quoting_another_works_key_is_redacted(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # The guard read a report against its own work's key only: a model quoting
+    # a screenplay it memorised, which the operator also trains on, got that
+    # key into the report, its sidecar's claims and the archive's neighbours.
+    line = "Lester thrusts his face directly into a steaming hot shower."
+    assert human_runs(line)
+    llm_server.default = lambda request: Reply.ok(
+        f"The original trusts images.\n\nAs another film has it: {line}\n")
+    ws = other_work_workspace(tmp_path, llm_server)
+
+    run_once_in_process(ws)
+
+    reports = sorted(ws.runs.rglob("other_ep0?-0?.md"))
+    assert len(reports) == 2
+    for report in reports:
+        assert "[verbatim answer-key passage removed]" in report.read_text(encoding="utf-8")
+    assert_sealed(ws)

@@ -146,8 +146,23 @@ def _allowed(text: str, index: HumanIndex) -> _Allowed:
     return found
 
 
+def find_leaks_of_any(text: str, indexes: Sequence[HumanIndex], *,
+                      allow_text: str | tuple[str, ...] = "") -> list[Leak]:
+    """find_leaks against several works' indexes, in order; the text is read
+    and hashed once (indexes of one build share their shingle lengths)."""
+    if not indexes:
+        return []
+    views = textnorm.readings(text)
+    hashed: dict[tuple[int, int, int], list[int]] = {}
+    found: list[Leak] = []
+    for index in indexes:
+        found += find_leaks(text, index, allow_text=allow_text, views=views, hashed=hashed)
+    return sorted(found, key=lambda k: k.start)
+
+
 def find_leaks(text: str, index: HumanIndex, *, allow_text: str | tuple[str, ...] = "",
-               views: Sequence[Reading] | None = None) -> list[Leak]:
+               views: Sequence[Reading] | None = None,
+               hashed: dict[tuple[int, int, int], list[int]] | None = None) -> list[Leak]:
     """Every span of `text` that reproduces the indexed human text, in order.
 
     Spans that also occur in `allow_text` (the model's own episodes) are not
@@ -160,18 +175,25 @@ def find_leaks(text: str, index: HumanIndex, *, allow_text: str | tuple[str, ...
     if isinstance(allow_text, tuple):
         pieces = allow_text
         return _find(text, views, index, lambda: _Allowed.union(
-            _Allowed.of(piece, index) for piece in pieces))
-    return _find(text, views, index, lambda: _allowed(allow_text, index))
+            _Allowed.of(piece, index) for piece in pieces), hashed)
+    return _find(text, views, index, lambda: _allowed(allow_text, index), hashed)
 
 
 def _find(text: str, views: Sequence[Reading], index: HumanIndex,
-          allow: Callable[[], _Allowed]) -> list[Leak]:
+          allow: Callable[[], _Allowed],
+          hashed: dict[tuple[int, int, int], list[int]] | None = None) -> list[Leak]:
     """`allow` builds the allowed shingles; called only on a hit (the model's
-    episodes are the bulk of a prompt, and most texts hit nothing)."""
+    episodes are the bulk of a prompt, and most texts hit nothing). `hashed`:
+    the views' shingle hashes by (view, n, long_n), kept across indexes."""
     spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
     allowed: _Allowed | None = None
     for k, view in enumerate(views):
-        hashes = _hashes(view, index.n, index.long_n)
+        key = (k, index.n, index.long_n)
+        hashes = hashed.get(key) if hashed is not None else None
+        if hashes is None:
+            hashes = _hashes(view, index.n, index.long_n)
+            if hashed is not None:
+                hashed[key] = hashes
         if index.episode_of.keys().isdisjoint(hashes):
             continue  # the common case: no offsets needed
         allowed = allowed or allow()

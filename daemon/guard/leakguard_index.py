@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..core import textnorm
+from ..core import dataset, textnorm
 
 SHINGLE_WORDS = 7
 LONG_RUN_WORDS = 8
@@ -235,6 +235,9 @@ class HumanIndex:
     long_runs: frozenset[int]  # every long_n-shingle of the lines
     long_seeds: frozenset[int]  # those with a word that is not stock: they start a leak
     words: frozenset[int]  # hash of every word: only runs of these can match
+    # sha256 of each episode's text: a model episode with one of these is a copy
+    # of the key (another work's too: handlers/loss.py refuses it unsent).
+    episode_digests: frozenset[str] = frozenset()
 
     @classmethod
     def build(
@@ -318,6 +321,7 @@ class HumanIndex:
             long_runs=frozenset(long_runs),
             long_seeds=frozenset(long_seeds),
             words=frozenset(words),
+            episode_digests=frozenset(map(dataset.sha256_text, episodes.values())),
         )
 
     def may_match(self, toks: Sequence[str]) -> bool:

@@ -56,8 +56,12 @@ class Archive:
 
 @dataclass
 class Seal:
-    """One work's key, and the text that may be quoted (the model's episodes).
+    """One work's key, the other works' keys, and the text that may be quoted
+    (the model's episodes).
 
+    `others`: every other work the daemon knows (a model may quote a
+    screenplay it memorised, and the operator may train on that one too);
+    the model's text is allowed against them as against its own work's key.
     A text this seal found clean is remembered (`_clean`): written as it is,
     or with text appended (a report and its annotation), only what is new is
     read again, with the words before it (the guard's cost per report stays
@@ -66,14 +70,22 @@ class Seal:
 
     index: HumanIndex
     allow_text: str = ""
+    others: tuple[HumanIndex, ...] = ()
     _clean: list[str] = field(default_factory=list, repr=False)
 
     def find(self, text: str) -> list[leakguard.Leak]:
         """The guard's reading of `text` (leakguard.find_leaks); clean: remembered."""
         found = leakguard.find_leaks(text, self.index, allow_text=self.allow_text)
+        if self.others:
+            found = sorted(found + self._of_others(text), key=lambda k: k.start)
         if not found:
             self._clean.append(text)
         return found
+
+    def _of_others(self, text: str, allow: str | tuple[str, ...] | None = None
+                   ) -> list[leakguard.Leak]:
+        return leakguard.find_leaks_of_any(
+            text, self.others, allow_text=self.allow_text if allow is None else allow)
 
     def leaks(self, text: str) -> int:
         """Passages of the key in `text` as it will be written."""
@@ -85,16 +97,34 @@ class Seal:
             if added.isspace():  # a final newline: no word, nothing after to join
                 return 0
             text = _edges(base, self.index.long_n)[1] + added
-        return len(leakguard.find_leaks(text, self.index, allow_text=self.allow_text))
+        return (len(leakguard.find_leaks(text, self.index, allow_text=self.allow_text))
+                + len(self._of_others(text)))
 
     def archive_leaks(self, archive: Archive) -> bool:
         """Does the archive hold key text outside the model's episodes?"""
         if archive.text in self._clean:
             return False
-        found = self._archive_leaks(archive)
+        found = self._archive_leaks(archive) or self._archive_leaks_of_others(archive)
         if not found:
             self._clean.append(archive.text)
         return found
+
+    def _archive_leaks_of_others(self, archive: Archive) -> bool:
+        """The other works' keys in the archive: its own text (the template's,
+        the facts) and across each seam with the model's episodes; the episodes
+        themselves are allowed text (a copy of another work's key was refused
+        before the call)."""
+        if not self.others:
+            return False
+        pieces = archive.skeleton.split(archive.slot)
+        if len(pieces) == 1 or archive.block.join(pieces) != archive.text:
+            return bool(self._of_others(archive.text, allow=archive.block))
+        head, tail = _edges(archive.block, self.index.long_n)
+        return any(self._of_others((tail if k > 0 else "") + piece
+                                   + (head if k < len(pieces) - 1 else ""),
+                                   allow=(tail if k > 0 else "", head if k < len(pieces) - 1
+                                          else ""))
+                   for k, piece in enumerate(pieces))
 
     def _archive_leaks(self, archive: Archive) -> bool:
         pieces = archive.skeleton.split(archive.slot)
