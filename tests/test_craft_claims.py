@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,10 +46,11 @@ def test_the_list_format_is_read_leniently() -> None:
         ("dialogue_share", "similar", 7)]
 
 
-def test_only_the_last_claims_section_counts_and_it_ends_at_the_next_heading() -> None:
+def test_every_claims_section_is_read_and_each_ends_at_the_next_heading() -> None:
     report = ("## Claims\n- speech_words_mean: lower\n\n# Claims\n- scenes_per_episode: lower\n"
               "\n## Afterword\n- dialogue_share: higher\n")
-    assert [c.statistic for c in read_claims(report).claims] == ["scenes_per_episode"]
+    assert [c.statistic for c in read_claims(report).claims] == [
+        "speech_words_mean", "scenes_per_episode"]
 
 
 def test_a_report_without_the_list_is_not_checked(stats: tuple) -> None:
@@ -219,3 +222,172 @@ def test_a_claim_line_keeps_no_more_than_a_statistic_name(stats: tuple) -> None:
     dumped = json.dumps(check.sidecar_fields("annotate"))
     for word in ("grab", "ring", "water", "Walter", "laughed"):
         assert word not in dumped
+
+
+# ------------------------------------- a list of wrong claims is seen however it is written
+
+FLIP = {"higher": "lower", "lower": "higher", "similar": "higher"}
+PLAIN = "- {s}: {d}"
+# How reviewers write "statistic: direction" that the first-word parser read
+# as malformed, so that a list of wrong claims counted no contradiction.
+WRITTEN = {
+    "much": "- {s}: much {d}",
+    "slightly": "- {s}: slightly {d}",
+    "a bit": "- {s}: a bit {d}",
+    "model": "- {s}: model {d}",
+    "the model's is": "- {s}: the model's is {d}",
+    "is": "- {s} is {d}",
+    "em dash": "- {s} \u2014 {d}",
+    "em dash unspaced": "- {s}\u2014{d}",
+    "en dash": "- {s} \u2013 {d}",
+    "hyphen": "- {s} - {d}",
+    "equals": "- {s} = {d}",
+    "table row": "| {s} | {d} |",
+}
+
+
+def _truth(stats: tuple) -> list[tuple[str, str]]:
+    return craft_claims.grounded_claims(*stats)
+
+
+def _wrong(stats: tuple) -> list[tuple[str, str]]:
+    return [(s, FLIP[d]) for s, d in _truth(stats)]
+
+
+def _claims_section(form: str, pairs: list[tuple[str, str]]) -> str:
+    header = "| statistic | direction |\n|---|:---:|\n" if form.startswith("|") else ""
+    return f"## Claims\n\n{header}" + "".join(form.format(s=s, d=d) + "\n" for s, d in pairs)
+
+
+def _verdicts(check: craft_claims.ClaimCheck) -> list[tuple[str, str, str]]:
+    return [(v.statistic, v.claimed, v.verdict) for v in check.verdicts]
+
+
+@pytest.mark.parametrize("form", WRITTEN.values(), ids=WRITTEN.keys())
+def test_a_wrong_list_is_contradicted_however_it_is_written(stats: tuple, form: str) -> None:
+    plain = check_report(f"Prose.\n\n{_claims_section(PLAIN, _wrong(stats))}", *stats)
+    check = check_report(f"Prose.\n\n{_claims_section(form, _wrong(stats))}", *stats)
+    assert check.malformed == () and _verdicts(check) == _verdicts(plain)
+    assert check.counts["contradicted"] >= 10
+    assert check.too_contradicted(craft_claims.REFUSE_SHARE)
+
+
+@pytest.mark.parametrize("wrong_first", [True, False], ids=["wrong-then-right", "right-then-wrong"])
+def test_no_claims_section_hides_the_wrong_claims_of_another(stats: tuple,
+                                                             wrong_first: bool) -> None:
+    wrong = _claims_section(PLAIN, _wrong(stats))
+    true = ("dialogue_share", dict(_truth(stats))["dialogue_share"])
+    right = _claims_section(PLAIN, [true])
+    sections = [wrong, right] if wrong_first else [right, wrong]
+    check = check_report("Prose.\n\n" + "\n".join(sections), *stats)
+    confirmed = [(*true, "confirmed")]
+    alone = _verdicts(check_report(wrong, *stats))
+    assert _verdicts(check) == (alone + confirmed if wrong_first else confirmed + alone)
+    assert check.counts["contradicted"] >= 10
+    assert check.too_contradicted(craft_claims.REFUSE_SHARE)
+
+
+@pytest.mark.parametrize("value", ["higher, not lower", "similar or higher", "lower (similar?)",
+                                   "not higher", "isn't much lower", "the human's is higher"])
+def test_a_value_with_two_directions_or_one_turned_around_is_malformed(value: str) -> None:
+    claims = read_claims(f"## Claims\n- speech_words_mean: {value}\n")
+    assert claims.claims == () and [n for n, _ in claims.malformed] == [2]
+
+
+def test_an_honest_list_with_qualifiers_is_not_flagged(stats: tuple) -> None:
+    # The model's speeches are much longer (21.8 words against 5.2): saying so is right.
+    qualified = {"higher": "much higher", "lower": "the model's is a bit lower",
+                 "similar": "roughly similar (model against human)"}
+    report = "Prose.\n\n" + _claims_section("- {s}: {d}", [(s, qualified[d])
+                                                         for s, d in _truth(stats)])
+    check = check_report(report, *stats)
+    assert "- speech_words_mean: much higher" in report
+    assert check.malformed == () and check.counts["confirmed"] == len(_truth(stats)) >= 10
+    assert check.counts["contradicted"] == 0 and check.contradicted == ()
+    assert not check.too_contradicted(0.0)
+
+
+UNREADABLE = {
+    "prose": ("The model's speeches run long.\nIts scenes are fewer.\nDialogue is about even.\n",
+              3, 3),
+    "empty": ("", 1, 1),
+    "three of four": ("speeches run long\nscenes_per_episode: fewer\n: higher\n"
+                      "- speech_words_mean: higher\n", 3, 4),
+}
+
+
+@pytest.mark.parametrize(("body", "malformed", "lines"), UNREADABLE.values(),
+                         ids=UNREADABLE.keys())
+def test_a_mostly_unreadable_list_is_seen_like_a_contradiction(
+        stats: tuple, body: str, malformed: int, lines: int) -> None:
+    # Unreadable claims count for nothing; a list that is mostly them would
+    # let a wrong report pass as clean, so the list itself is what is seen.
+    check = check_report(f"Prose.\n\n## Claims\n\n{body}\n## Afterword\n", *stats)
+    assert check.mostly_unreadable and check.counts["contradicted"] == 0
+    assert craft_claims.Unreadable(malformed=malformed, lines=lines) in check.contradicted
+    assert check.too_contradicted(craft_claims.REFUSE_SHARE)
+    text = craft_claims.annotation(check.contradicted)
+    assert (f"{malformed} of {lines} claims above could not be checked against the "
+            "measurements") in text
+
+
+def test_a_list_mostly_read_and_a_report_without_one_are_not_flagged(stats: tuple) -> None:
+    half = check_report("## Claims\n\nspeeches are long\n- speech_words_mean: higher\n", *stats)
+    assert not half.mostly_unreadable and half.contradicted == ()
+    assert not half.too_contradicted(0.0)
+    none = check_report("Scenes run long. Speeches are short.", *stats)
+    assert none.contradicted == () and not none.too_contradicted(0.0)
+
+
+# ------------------------------------------------ through the loss step (a scripted reply)
+
+
+@pytest.fixture
+def loss_job(tmp_path: Path) -> Any:
+    from skilltrain.daemon.core import dataset
+    from skilltrain.handlers import loss
+
+    scripts = tmp_path / "runs" / "r1" / "epoch_00" / "step_00" / "example" / "scripts"
+    scripts.mkdir(parents=True)
+    for n in (1, 2, 3):
+        shutil.copy(EXAMPLE / "model_draft" / f"ep{n:02d}.txt", scripts)
+    report = tmp_path / "runs" / "r1" / "loss" / "epoch_00" / "step_00" / "example_ep01-03.md"
+    return loss.LossJob(work=dataset.load_work(EXAMPLE), scripts_dir=scripts,
+                        report_path=report, first=1, last=3)
+
+
+def _loss_step(job: Any, reply: str, on_contradiction: str) -> Any:
+    """The real loss step (template, guard, claims check, sealed write) with
+    `reply` for the reviewer's completion."""
+    from skilltrain.daemon.core.config import LLMConfig
+    from skilltrain.daemon.core.templates import PromptTemplates
+    from skilltrain.daemon.infra import llm
+    from skilltrain.handlers import loss
+
+    def reviewer(messages: object, settings: object, **_: object) -> llm.Completion:
+        return llm.Completion(text=reply, finish_reason="stop", tokens_in=1, tokens_out=1,
+                              tokens_cached=0, cost_usd=None, attempts=1)
+
+    return loss.run(job, settings=LLMConfig(model="openai/loopback-model",
+                                            api_base="http://127.0.0.1:9"),
+                    templates=PromptTemplates(EXAMPLE.parent.parent / "prompts"),
+                    on_contradiction=on_contradiction, complete=reviewer)
+
+
+def test_the_loss_step_refuses_a_wrong_list_written_with_qualifiers(
+        loss_job: Any, stats: tuple) -> None:
+    from skilltrain.daemon.core.errors import ContradictedReportError
+
+    reply = "Speeches differ.\n\n" + _claims_section(WRITTEN["much"], _wrong(stats))
+    with pytest.raises(ContradictedReportError):
+        _loss_step(loss_job, reply, "refuse")
+    assert not loss_job.report_path.exists()
+
+
+def test_the_loss_step_annotates_a_list_it_cannot_read(loss_job: Any) -> None:
+    reply = "Speeches differ.\n\n## Claims\n\nThe speeches run long.\nThe scenes are fewer.\n"
+    result = _loss_step(loss_job, reply, "annotate")
+    written = loss_job.report_path.read_text(encoding="utf-8")
+    assert "## Measured facts" in written
+    assert "2 of 2 claims above could not be checked against the measurements" in written
+    assert result.sidecar["claims"]["malformed"] == 2

@@ -14,8 +14,13 @@ both sides (`facts_table`) and asks it to end with a list of its claims:
     - dialogue_share: similar
 
 one line per claim, `statistic: higher | lower | similar`, about the model's
-value against the human's (docs/grounded-reports.md). Each claim is checked
-against the measurements with the statistic's floor (craft_report.METRICS):
+value against the human's (docs/grounded-reports.md). Reviewers write it as
+people do: "much higher", "the model's is lower", an em dash or "=" for the
+colon, a Markdown table, the list split over two sections. So the direction
+is read wherever it stands in the value and every Claims section is read: a
+qualifier or a layout must not turn a wrong claim into an unreadable one,
+which would count for nothing. Each claim is checked against the
+measurements with the statistic's floor (craft_report.METRICS):
 
     g = ln((model + floor) / (human + floor))
     higher   contradicted when g < -DIRECTION_TOLERANCE, else confirmed
@@ -23,15 +28,18 @@ against the measurements with the statistic's floor (craft_report.METRICS):
     similar  contradicted when |g| > SIMILAR_TOLERANCE, else confirmed
     an unknown statistic, or one a side lacks: not checkable
 
-A report without the list is still a report: "not checked", counted. A list
+A report without the list is still a report: "not checked", counted. A line
 that cannot be read is reported by line number and reason, never a crash.
+A list that is mostly unreadable (more than half its lines, or no readable
+claim at all) cannot vouch for its report: it is seen like a contradiction,
+annotated, and in refuse mode its unreadable lines count as contradicted.
 Pure, no I/O; numbers and statistic names only, never screenplay text.
 """
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +72,21 @@ _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s*(.*?)\s*#*\s*$")
 _SECTION = re.compile(rf"^\**{SECTION}\**\s*:?$", re.IGNORECASE)
 _BULLET = re.compile(r"^(?:[-*+•]|\d+[.)])\s+")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+# A Markdown rule, a table's |---|:--:| or a thematic break: layout, not a claim.
+_RULE = re.compile(r"^[\s|:]*-[\s|:-]*$")
+# Between a statistic and its direction, in textnorm's reading of the line
+# (where an em or en dash is "-"): a colon, "=", a table's "|", a dash apart
+# from a word on one side, or "is"/"are". A hyphen inside a word does not
+# split it: "speech-words-mean" names a statistic.
+_SEPARATOR = re.compile(r"[:=|]|\s-+|-+\s|--+|\b(?:is|are)\b", re.IGNORECASE)
+# A line with none of them may have an em dash between words, read as a
+# hyphen: "speech_words_mean—higher". The dash is then the last one before
+# the direction, so that a hyphenated name stays whole.
+_DASH = re.compile(rf"-+(?=[^-]*?\b(?:{'|'.join(DIRECTIONS)})\b)", re.IGNORECASE)
+# Words that, before a direction, turn it around: "not higher", "the human's
+# is higher". Read as the model's direction they would be false contradictions.
+_TURNING = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent",
+                      "human", "humans", "original", "originals"})
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,20 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """A claims list most of whose lines could not be read. It is seen like a
+    contradicted claim: a list of wrong claims must not pass by being misspelt."""
+
+    malformed: int
+    lines: int  # the list's claim lines, read or not
+
+    @property
+    def statistic(self) -> str:
+        # A refusal names what it was refused for by each item's statistic (handlers/loss.py).
+        return f"{self.malformed} of {self.lines} claims unreadable"
+
+
+@dataclass(frozen=True)
 class ClaimCheck:
     """Every claim of one report with its verdict."""
 
@@ -108,8 +145,21 @@ class ClaimCheck:
     counts: dict[str, int] = field(default_factory=dict)
 
     @property
-    def contradicted(self) -> tuple[Verdict, ...]:
-        return tuple(v for v in self.verdicts if v.verdict == "contradicted")
+    def mostly_unreadable(self) -> bool:
+        """More than half the list's lines could not be read (so too a Claims
+        heading with no readable claim): such a list cannot vouch for its report."""
+        return 2 * len(self.malformed) > len(self.malformed) + len(self.verdicts)
+
+    @property
+    def contradicted(self) -> tuple[Verdict | Unreadable, ...]:
+        """What the report must be seen for (annotation): each contradicted
+        claim, and the list itself when it is mostly unreadable."""
+        wrong: tuple[Verdict | Unreadable, ...] = tuple(
+            v for v in self.verdicts if v.verdict == "contradicted")
+        if self.mostly_unreadable:
+            lines = len(self.malformed) + len(self.verdicts)
+            wrong += (Unreadable(malformed=len(self.malformed), lines=lines),)
+        return wrong
 
     @property
     def contradicted_share(self) -> float | None:
@@ -118,8 +168,14 @@ class ClaimCheck:
         return self.counts["contradicted"] / checked if checked else None
 
     def too_contradicted(self, share: float) -> bool:
-        found = self.contradicted_share
-        return found is not None and found > share
+        """Refuse mode's bar: more than `share` of the checked claims contradicted,
+        a mostly unreadable list's lines counted as contradicted claims."""
+        wrong = self.counts["contradicted"]
+        checked = wrong + self.counts["confirmed"]
+        if self.mostly_unreadable:
+            wrong += len(self.malformed)
+            checked += len(self.malformed)
+        return checked > 0 and wrong / checked > share
 
     def event_fields(self) -> dict[str, Any]:
         """What loss.completed (and loss.contradicted) carry."""
@@ -149,31 +205,59 @@ def _round(value: float | None) -> float | None:
 
 
 def read_claims(report: str) -> ClaimList:
-    """The claims of the report's last `## Claims` section (any heading level)."""
+    """The claims of every `## Claims` section (any heading level): a later
+    section must not hide a wrong claim of an earlier one, nor the reverse."""
     lines = report.splitlines()
-    start = None
-    for i, line in enumerate(lines):
-        m = _HEADING.match(line)
-        if m and _SECTION.match(m.group(2)):
-            start = i + 1
-    if start is None:
+    sections = list(_sections(lines))
+    if not sections:
         return ClaimList(found=False)
     claims: list[Claim] = []
     malformed: list[tuple[int, str]] = []
-    for i in range(start, len(lines)):
+    for start, end in sections:
+        read, unread = _read_section(lines, start, end)
+        if not read and not unread:
+            unread.append((start, "the claims section is empty"))  # its heading's line
+        claims += read
+        malformed += unread
+    return ClaimList(found=True, claims=tuple(claims), malformed=tuple(malformed))
+
+
+def _sections(lines: list[str]) -> Iterator[tuple[int, int]]:
+    """(start, end) line indexes of each Claims section's body: from below
+    its heading to the next heading, whatever its name, or the end."""
+    start = None
+    for i, line in enumerate(lines):
+        m = _HEADING.match(line)
+        if m is None:
+            continue
+        if start is not None:
+            yield start, i
+        start = i + 1 if _SECTION.match(m.group(2)) else None
+    if start is not None:
+        yield start, len(lines)
+
+
+def _read_section(lines: list[str], start: int,
+                  end: int) -> tuple[list[Claim], list[tuple[int, str]]]:
+    """The claims of lines[start:end], and (line, why) for each line that is none."""
+    claims: list[Claim] = []
+    malformed: list[tuple[int, str]] = []
+    for i in range(start, end):
         line = lines[i].strip()
-        if _HEADING.match(lines[i]) and lines[i].lstrip().startswith("#"):
-            break  # the next section: the list has ended
-        if not line or _FENCE.match(line):
+        if not line or _FENCE.match(line) or _RULE.match(line):
             continue
         claim = _read_line(line, i + 1)
         if isinstance(claim, Claim):
             claims.append(claim)
-        else:
+        elif not _table_header(lines, i):  # "| statistic | direction |" names columns
             malformed.append((i + 1, claim))
-    if not claims and not malformed:
-        malformed.append((start, "the claims section is empty"))
-    return ClaimList(found=True, claims=tuple(claims), malformed=tuple(malformed))
+    return claims, malformed
+
+
+def _table_header(lines: list[str], i: int) -> bool:
+    """Line i is a Markdown table's header: the next line is the table's rule."""
+    below = lines[i + 1].strip() if i + 1 < len(lines) else ""
+    return "|" in below and _RULE.match(below) is not None
 
 
 def _read_line(line: str, number: int) -> Claim | str:
@@ -186,23 +270,47 @@ def _read_line(line: str, number: int) -> Claim | str:
     UNKNOWN_NAME_WORDS): never more of the line than a name, so no passage of
     a report reaches the sidecar through a claim (issue 34).
     """
-    name, colon, rest = _BULLET.sub("", line).partition(":")
-    if not colon:
+    split = _name_and_value(_BULLET.sub("", line))
+    if split is None:
         return "not 'statistic: higher|lower|similar'"
-    words = textnorm.words_as_read(rest)
-    direction = words[0] if words else ""
+    name, value = split
+    direction = _direction(value)
     if direction not in DIRECTIONS:
-        return "the direction must be higher, lower or similar"
+        return direction
     read = textnorm.words_as_read(name)
     if not read:
         return "no statistic named"
     metric = _BY_READING.get("".join(read))
     if metric is not None:
         return Claim(statistic=metric.key, direction=direction, line=number)
-    split = textnorm.tokens(name)
-    if len(split) > UNKNOWN_NAME_WORDS:
+    words = textnorm.tokens(name)
+    if len(words) > UNKNOWN_NAME_WORDS:
         return "not a statistic of the facts table, nor a name"
-    return Claim(statistic="_".join(split), direction=direction, line=number)
+    return Claim(statistic="_".join(words), direction=direction, line=number)
+
+
+def _name_and_value(line: str) -> tuple[str, str] | None:
+    """A claim line cut at its first separator (a table row: after its first
+    cell); None: it has none. Cut in textnorm's reading of the line, where
+    an em dash, "&mdash;" and a full-width colon are the ASCII "-" and ":"."""
+    text = textnorm.readings(line)[0].text.removeprefix("|")
+    m = _SEPARATOR.search(text) or _DASH.search(text)
+    return None if m is None else (text[:m.start()], text[m.end():])
+
+
+def _direction(value: str) -> str:
+    """The one direction a claim's value names, wherever it stands among
+    qualifiers ("much higher", "the model's is lower"); else why there is
+    none to check (a sentence, never one of DIRECTIONS)."""
+    words = textnorm.words_as_read(value)
+    named = [w for w in words if w in DIRECTIONS]
+    if not named:
+        return "the direction must be higher, lower or similar"
+    if len(set(named)) > 1:
+        return "more than one direction: higher, lower or similar, one of them"
+    if _TURNING.intersection(words[:words.index(named[0])]):
+        return "a direction negated, or said of the human's value"
+    return named[0]
 
 
 # --------------------------------------------------------------- checking
@@ -252,21 +360,32 @@ def check_report(report: str, human: ScreenplayStats, model: ScreenplayStats) ->
 # ---------------------------------------------------------------- writing
 
 
-def annotation(contradicted: Iterable[Verdict]) -> str:
-    """The section annotate mode appends: what each contradicted claim got wrong."""
-    lines = ["## Measured facts (checked by the daemon)", "",
-             "These claims above are contradicted by the measurements of both screenplays; "
-             "trust the numbers:", ""]
-    for v in contradicted:
-        metric = _BY_NAME[v.statistic]
-        said = "about the same as" if v.claimed == "similar" else f"{v.claimed} than"
-        actual = {"higher": "higher than", "lower": "lower than",
-                  "similar": "about the same as"}[v.measured or "similar"]
-        lines.append(
-            f"- `{v.statistic}` ({metric.label}): the report says the model's is {said} the "
+def annotation(contradicted: Iterable[Verdict | Unreadable]) -> str:
+    """The section annotate mode appends: what each contradicted claim got
+    wrong, and how much of an unreadable list could not be checked."""
+    seen = list(contradicted)
+    wrong = [v for v in seen if isinstance(v, Verdict)]
+    lines = ["## Measured facts (checked by the daemon)"]
+    if wrong:
+        lines += ["", "These claims above are contradicted by the measurements of both "
+                  "screenplays; trust the numbers:", "", *map(_correction, wrong)]
+    for u in seen:
+        if isinstance(u, Unreadable):
+            lines += ["", f"{u.malformed} of {u.lines} claims above could not be checked "
+                      "against the measurements: they are the reviewer's impressions, not "
+                      "measured facts."]
+    return "\n".join(lines)
+
+
+def _correction(v: Verdict) -> str:
+    """One contradicted claim, with what the measurements say instead."""
+    metric = _BY_NAME[v.statistic]
+    said = "about the same as" if v.claimed == "similar" else f"{v.claimed} than"
+    actual = {"higher": "higher than", "lower": "lower than",
+              "similar": "about the same as"}[v.measured or "similar"]
+    return (f"- `{v.statistic}` ({metric.label}): the report says the model's is {said} the "
             f"human's; measured, it is {actual} the human's: model "
             f"{_value(metric, v.model)} against human {_value(metric, v.human)}.")
-    return "\n".join(lines)
 
 
 def _value(metric: Metric, value: float | None) -> str:
