@@ -353,10 +353,13 @@ def _contradicted(job: LossJob, claims: craft_claims.ClaimCheck,
     """Why a report is refused as confidently wrong: counts and statistic names only."""
     c = claims.counts
     wrong = ", ".join(v.statistic for v in claims.contradicted)
+    checked = c["contradicted"] + c["confirmed"]
+    counted = (f"{c['contradicted']} of {checked} checked" if checked
+               else "none could be checked")
     return ContradictedReportError(
         f"the report for {job.work.name} ep{job.range_label} makes claims the measurements "
-        f"contradict: {c['contradicted']} of {c['contradicted'] + c['confirmed']} checked, "
-        f"more than {share:.0%} ({wrong}); not written", claims.event_fields())
+        f"contradict or cannot check: {counted}, more than {share:.0%} ({wrong}); not written",
+        claims.event_fields())
 
 
 def _check_window(messages: list[llm.Message], model: str, window: int | None,
