@@ -144,7 +144,8 @@ class Prepared:
     other_keys: tuple[leakguard.HumanIndex, ...] = field(repr=False)  # every other work's
     template_path: Path
     prompt_tokens: int | None
-    read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]] = field(repr=False)
+    # Reads both ranges again; True: the answer key from disk, not its cache.
+    read_inputs: Callable[[bool], tuple[dict[int, str], dict[int, str]]] = field(repr=False)
     started_at: datetime
     t0: float
 
@@ -200,8 +201,8 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
 
     key_dir = answer_key or job.work.human_dir
 
-    def read_inputs() -> tuple[dict[int, str], dict[int, str]]:
-        return (job.work.read_human(job.first, job.last, max_bytes=max_bytes),
+    def read_inputs(fresh: bool = False) -> tuple[dict[int, str], dict[int, str]]:
+        return (job.work.read_human(job.first, job.last, max_bytes=max_bytes, fresh=fresh),
                 dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
                                    confine_to=confine_to, answer_key=key_dir,
                                    max_bytes=max_bytes))
@@ -476,11 +477,12 @@ def _refuse_copies_of_other_works(job: LossJob, model: dict[int, str],
 
 
 def _check_unchanged(job: LossJob, hashes: InputHashes,
-                     read_inputs: Callable[[], tuple[dict[int, str], dict[int, str]]]) -> None:
+                     read_inputs: Callable[[bool], tuple[dict[int, str], dict[int, str]]]
+                     ) -> None:
     """Re-read the inputs just before writing: a report made from files that changed
     or vanished during the call is not written (it would describe neither version)."""
     try:
-        human, model = read_inputs()
+        human, model = read_inputs(True)  # the answer key from disk, not its cache
     except RefusedError as e:
         raise InputsChangedError(f"input changed during the call: {e}") from None
     if dataset.episodes_digest(model) != hashes.model:

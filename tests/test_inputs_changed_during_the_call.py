@@ -116,10 +116,16 @@ def test_an_input_changed_during_the_call_is_refused(
     assert not job.report_path.exists()
 
 
+@pytest.mark.parametrize("side", ["model", "human"])
 def test_a_write_through_a_shared_mapping_is_refused_though_the_stat_does_not_move(
-        workspace: tuple[loss.LossJob, Path]) -> None:
+        workspace: tuple[loss.LossJob, Path], side: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The answer key's text is kept while its stat holds (dataset._kept_text):
+    # settled at once here, so that the prompt's key comes from that cache.
+    monkeypatch.setattr(dataset, "racily_clean", lambda changed_ns: False)
     job, runs = workspace
-    path = job.scripts_dir / "ep02.txt"
+    path = (job.scripts_dir if side == "model" else job.work.human_dir) / "ep02.txt"
+    prepare(job, runs)  # the key kept
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
         mapped[0:1] = mapped[0:1]  # the page is dirty: later stores move no time
         prepare_stat = path.stat()
@@ -132,3 +138,8 @@ def test_a_write_through_a_shared_mapping_is_refused_though_the_stat_does_not_mo
         with pytest.raises(InputsChangedError):
             finish(prepared)
     assert not job.report_path.exists()
+    # The next job's prompt has the text as it is now, and its report is written.
+    again = prepare(job, runs)
+    assert path.read_text(encoding="utf-8") in again.prompt
+    finish(again)
+    assert job.report_path.exists()

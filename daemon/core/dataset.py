@@ -78,7 +78,8 @@ def _range_digest(hashes: Mapping[int, str]) -> str:
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
                  answer_key: Path | None = None, max_bytes: int | None = None,
-                 folder_fd: int | None = None, stated: Stated | None = None) -> str:
+                 folder_fd: int | None = None, stated: Stated | None = None,
+                 fresh: bool = False) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: the file's real path must stay inside this directory (a
@@ -89,9 +90,12 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     `folder_fd`: path's folder, opened and confined by the caller (read_range,
     once for the range): the file is looked up in it, and only a link at the
     file itself is confined by path. `stated`: its _stat_confined, taken by the caller.
+    `fresh`: an answer-key file is read from disk even while its identity holds
+    (and kept as read): a check that it did not change must not ask the cache.
     """
     try:
-        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, stated)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, stated,
+                             fresh)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
     except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
@@ -100,7 +104,8 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 
 
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
-                  max_bytes: int | None, folder_fd: int | None, stated: Stated | None) -> str:
+                  max_bytes: int | None, folder_fd: int | None, stated: Stated | None,
+                  fresh: bool) -> str:
     st, link = stated or _stat_confined(path, label, confine_to, answer_key, folder_fd)
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
@@ -111,10 +116,12 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
                            f"{max_bytes:,}-byte limit the model's context window allows")
     # The answer key's own files (no confinement asked: data/, the operator's)
     # are read again for every set of every step: kept while their identity
-    # holds. A writer's scripts are read afresh every time.
+    # holds. A writer's scripts are read afresh every time. A write through a
+    # shared mmap moves no time: the re-read after a call (`fresh`) reads the
+    # disk, and what it reads is kept for the next job.
     keep = confine_to is None and answer_key is None
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
+    if keep and not fresh and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
         return kept[1]
     # A link is confined, and followed, by its path; a plain file is opened in
     # the checked folder.
@@ -302,7 +309,7 @@ def _first_link(path: str, root: Path | None) -> str:
 
 def read_range(directory: Path, first: int, last: int, *, label: str,
                confine_to: Path | None = None, answer_key: Path | None = None,
-               max_bytes: int | None = None) -> dict[int, str]:
+               max_bytes: int | None = None, fresh: bool = False) -> dict[int, str]:
     """Every episode first..last, or RefusedError naming the first bad one.
 
     A range with no episode at all gets the seed's message; a range with some
@@ -326,7 +333,7 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
             _check_total(stats, max_bytes, f"{label} episodes {first}-{last} in {directory}")
         return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
                                 answer_key=answer_key, max_bytes=max_bytes, folder_fd=folder_fd,
-                                stated=stats.get(p))
+                                stated=stats.get(p), fresh=fresh)
                 for n, p in zip(numbers, paths, strict=True)}
     finally:
         if folder_fd is not None:
@@ -446,8 +453,10 @@ class Work:
             return list(self.explicit_ranges)
         return list(chunk(self.human_episodes(), episodes_per_report))
 
-    def read_human(self, first: int, last: int, max_bytes: int | None = None) -> dict[int, str]:
-        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes)
+    def read_human(self, first: int, last: int, max_bytes: int | None = None, *,
+                   fresh: bool = False) -> dict[int, str]:
+        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes,
+                          fresh=fresh)
 
     def read_all_human(self) -> dict[int, str]:
         """The whole answer key, by episode (the leak indexes, the audit): every
