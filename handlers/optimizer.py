@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ..daemon.core.errors import ConfigError
+from ..daemon.guard import leakguard
 from ..daemon.infra import cpu
 
 PLACEHOLDERS = ("run", "epoch", "step", "reports_dir", "run_dir")
@@ -135,9 +136,10 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 
 
 def _relay(stream: IO[str], name: str, emit: Emit, event: str) -> None:
+    lines = leakguard.LineStream()  # a passage wrapped over lines is read whole
     with stream:
         for line in stream:
-            emit(event, stream=name, line=line.rstrip("\n"))
+            emit(event, stream=name, line=lines.guard(line.rstrip("\n")))
 
 
 def _ms(t0: float) -> int:

@@ -421,3 +421,30 @@ def test_a_report_quoting_another_works_key_is_redacted(
     for report in reports:
         assert "[verbatim answer-key passage removed]" in report.read_text(encoding="utf-8")
     assert_sealed(ws)
+
+
+@pytest.mark.parametrize("words_a_line", [3, 5])
+def test_a_passage_a_program_prints_wrapped_over_lines_is_cut(words_a_line: int) -> None:
+    # The writer's and optimizer's output is logged a line at a time, and the
+    # log's guard read each line alone: a passage printed a few words a line
+    # went out whole, each line under the guard's length.
+    import sys
+
+    from skilltrain.handlers import optimizer
+
+    line = "Lester thrusts his face directly into a steaming hot shower."
+    assert human_runs(line)
+    words = line.split()
+    wrapped = "\n".join(" ".join(words[i:i + words_a_line])
+                        for i in range(0, len(words), words_a_line))
+    emitted: list[str] = []
+    leakguard.install(leakguard.AnswerKeys([leakguard.index_for(adversarial.WORK, KEY)]))
+    try:
+        result = optimizer.run([sys.executable, "-c", f"print({wrapped!r})"], timeout_s=30,
+                               emit=lambda event, **f: emitted.append(f["line"]))
+    finally:
+        leakguard.install(None)
+    assert result.exit_code == 0
+    assert len(emitted) == wrapped.count("\n") + 1
+    assert not human_runs(" ".join(emitted)), emitted
+    assert "[verbatim answer-key passage removed]" in " ".join(emitted)

@@ -337,6 +337,33 @@ class AnswerKeys:
         return redact(text, leaks, marker) if leaks else text
 
 
+class LineStream:
+    """A program's output as it comes, line by line (the writer's and the
+    optimizer's, relayed to the log): a passage wrapped over several lines,
+    each under the guard's length, is a passage all the same. Each line is
+    read with the lines before it (WINDOW_CHARS of them), and what of a
+    passage falls in the new line is cut; the lines before it went out as
+    they were, none of them a passage alone."""
+
+    WINDOW_CHARS = 600
+
+    def __init__(self) -> None:
+        self._before = ""
+
+    def guard(self, line: str) -> str:
+        """`line` with the part of any passage it ends or continues cut."""
+        keys = installed()
+        if keys is None:
+            return line
+        text = f"{self._before}\n{line}" if self._before else line
+        start = len(text) - len(line)
+        self._before = text[-self.WINDOW_CHARS:]
+        cuts = [Leak(start=max(leak.start, start) - start, end=leak.end - start,
+                     episode=leak.episode, n_words=leak.n_words, line=1)
+                for leak in keys.leaks(text) if leak.end > start]
+        return redact(line, cuts) if cuts else line
+
+
 class KeySource(Protocol):
     """Answer keys that follow data/ (leakguard_live.LiveAnswerKeys)."""
 
