@@ -266,7 +266,7 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
     if not dataset.has_words(report):  # "", whitespace, or only invisible characters
         raise BadOutputError(f"the model returned an empty report for {job.work.name} "
                              f"ep{job.range_label} (no letter or digit)")
-    if problem := dataset.control_characters(report) or _not_unicode(report):
+    if problem := dataset.control_characters(report) or dataset.not_unicode(report):
         raise BadOutputError(f"the report for {job.work.name} ep{job.range_label} is not "
                              f"prose: {problem}")
     if completion.finish_reason is None:  # a batch result that does not say it ended
@@ -338,15 +338,6 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
                       hashes=hashes, completion=completion, prompt_chars=len(prepared.prompt),
                       prompt_tokens=prepared.prompt_tokens, leaks_redacted=leaks,
                       duration_ms=duration_ms, claims=claims, sidecar=sidecar)
-
-
-def _not_unicode(text: str) -> str | None:
-    """Why `text` cannot be written as UTF-8 (a lone surrogate from a JSON escape)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start:,}"
-    return None
 
 
 def _contradicted(job: LossJob, claims: craft_claims.ClaimCheck,

@@ -127,7 +127,7 @@ def test_a_scripts_folder_swapped_for_a_link_after_its_check_is_not_read_through
     for folder, text in ((scripts, "INT. MODEL - DAY\n\nA model line.\n"), (data, TEXT)):
         folder.mkdir(parents=True)
         (folder / "ep01.txt").write_text(text, encoding="utf-8")
-    fd = dataset._open_confined(scripts, runs, tmp_path / "data", "model episode")
+    fd = dataset.open_confined(scripts, runs, tmp_path / "data", "model episode")
     assert fd is not None
     try:
         scripts.rename(runs / "r" / "moved")

@@ -549,7 +549,7 @@ def test_a_scripts_folder_that_is_a_link_is_confined_as_a_whole(
     llm_server: LLMServer, where: str
 ) -> None:
     # The folder is opened and what the kernel opened is checked (dataset.
-    # _open_confined): its files are then read in it, not confined one by one.
+    # open_confined): its files are then read in it, not confined one by one.
     # The target holds the writer's own draft, no copy of a human episode, so
     # only the folder's confinement can refuse it.
     if where == "into an answer key kept in runs":  # only the answer-key rule refuses

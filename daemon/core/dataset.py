@@ -8,7 +8,6 @@ numbers only, never file contents.
 """
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import os
@@ -20,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .confine import confine, confine_opened, open_confined
 from .errors import ConfigError, RefusedError
 
 # Exactly `ep` + two or more digits + `.txt`; rsync temp files (.ep01.txt.XYZ),
@@ -127,7 +127,7 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     # the checked folder.
     data = _read_bytes(path, st.st_size, max_bytes, nofollow=not link,
                        folder_fd=None if link else folder_fd,
-                       opened=(lambda fd: _confine_opened(fd, path, label, confine_to,
+                       opened=(lambda fd: confine_opened(fd, path, label, confine_to,
                                                           answer_key, st)) if link else None)
     if data is None:
         raise RefusedError(f"{label} {path} grew over the {max_bytes:,}-byte limit the "
@@ -222,6 +222,15 @@ def has_words(text: str) -> bool:
     return _WORD_CHARACTER.search(text) is not None
 
 
+def not_unicode(text: str) -> str | None:
+    """Why `text` cannot be written as UTF-8 (a lone surrogate from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start:,}"
+    return None
+
+
 def control_characters(text: str) -> str | None:
     """Why `text` is binary or control-character content, or None when it is not."""
     match = _CONTROL.search(text)
@@ -230,81 +239,6 @@ def control_characters(text: str) -> str | None:
     count = len(_CONTROL.findall(text))
     return (f"{count:,} control character(s), the first U+{ord(match.group()):04X} at "
             f"character {match.start():,}")
-
-
-def confine(path: str, root: Path | None, *, answer_key: Path | None = None,
-            label: str = "") -> str:
-    """The real path of `path`, which must lie inside `root` and outside `answer_key`.
-
-    The one symlink rule for episodes, scripts/ folders, work and run folders:
-    a link is followed only while it stays inside `root` (runs/) and out of
-    the answer key. Raises RefusedError naming the link (not just the file
-    reached through it) and why: out of the root, into the answer key, a
-    loop, or a dangling target. FileNotFoundError when `path` itself is absent.
-    """
-    os.lstat(path)  # absent: FileNotFoundError for the caller ("missing")
-    prefix = f"{label} " if label else ""
-    try:
-        real = os.path.realpath(path, strict=True)
-    except OSError as e:
-        link = _first_link(path, root)
-        if e.errno == errno.ELOOP:
-            raise RefusedError(f"{prefix}{link} is a symlink loop; not followed") from None
-        if isinstance(e, FileNotFoundError):
-            target = os.readlink(link) if os.path.islink(link) else "?"
-            raise RefusedError(f"{prefix}{link} is a dangling symlink (its target {target} "
-                               "does not exist)") from None
-        raise
-    broken = _broken_rule(real, root, answer_key)
-    if broken == "answer key":
-        raise RefusedError(f"{prefix}{_first_link(path, root)} leads into the answer key "
-                           f"({real}); not followed")
-    if broken == "root" and root is not None:
-        raise RefusedError(f"{prefix}{_first_link(path, root)} is a symlink out of "
-                           f"{root.name}/; not followed")
-    return real
-
-
-def _confine_opened(fd: int, path: Path, label: str, root: Path | None,
-                    answer_key: Path | None, st: os.stat_result) -> None:
-    """A link is confined by its path and then opened by it: a link or folder
-    swapped in between (a writer flipping it to another work's key) would be
-    read. So what was opened is confined again, by /proc's name for it; where
-    /proc cannot say, it must be the very file confined (device and inode)."""
-    try:
-        if _broken_rule(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key) is None:
-            return
-    except OSError:
-        got = os.fstat(fd)
-        if (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino):
-            return
-    raise RefusedError(f"{label} {path} is a symlink that changed while it was read; "
-                       "not followed")
-
-
-def _broken_rule(real: str, root: Path | None, answer_key: Path | None) -> str | None:
-    """The symlink rule for a real path, in one place: "answer key" if it lies in
-    the answer key, "root" if out of `root`, None if it may be read."""
-    if answer_key is not None and _is_within(real, os.path.realpath(answer_key)):
-        return "answer key"
-    if root is not None and not _is_within(real, os.path.realpath(root)):
-        return "root"
-    return None
-
-
-def _is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _first_link(path: str, root: Path | None) -> str:
-    """The first symlink on the way from `root` down to `path` (path itself if none)."""
-    start = str(root) if root is not None and _is_within(path, str(root)) else os.path.dirname(path)
-    current = start
-    for part in os.path.relpath(path, start).split(os.sep):
-        current = os.path.join(current, part)
-        if os.path.islink(current):
-            return current
-    return path
 
 
 def read_range(directory: Path, first: int, last: int, *, label: str,
@@ -323,7 +257,7 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
     folder_fd = None
     if confine_to is not None:
         try:
-            folder_fd = _open_confined(directory, confine_to, answer_key, f"{label} episode")
+            folder_fd = open_confined(directory, confine_to, answer_key, f"{label} episode")
         except FileNotFoundError:
             pass  # each episode is then "missing", as read_episode says
     try:
@@ -338,43 +272,6 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
     finally:
         if folder_fd is not None:
             os.close(folder_fd)
-
-
-def _open_confined(directory: Path, root: Path, answer_key: Path | None,
-                   label: str) -> int | None:
-    """`directory` opened once for a range, and what the kernel opened confined:
-    its episodes are looked up in it, so a folder swapped for a link to the
-    answer key after the check is not read through. Only a refusal walks the
-    path (a dozen lstats), to name the link (the first below `root`). None
-    where /proc cannot say what was opened: each file is confined then."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        fd = -1  # absent, a dangling link, a loop, not a folder: confine says which
-    if fd >= 0:
-        inside = False
-        try:
-            inside = _broken_rule(os.readlink(f"/proc/self/fd/{fd}"), root, answer_key) is None
-        except OSError:
-            pass
-        finally:
-            if not inside:
-                os.close(fd)
-        if inside:
-            return fd
-    real = confine(str(directory), root, answer_key=answer_key, label=label)
-    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        opened = os.readlink(f"/proc/self/fd/{fd}")
-        if opened != real:  # moved between the check and the open
-            confine(opened, root, answer_key=answer_key, label=label)
-    except OSError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _stat_or_none(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
