@@ -77,6 +77,9 @@ class FakeLoop:
 
 
 class FakeSteps:
+    def serve(self, look: Any) -> None:
+        pass
+
     def optimized(self, step: layout.StepKey) -> bool:
         return False
 

@@ -17,7 +17,7 @@ NOW = 1_000_000.0
 
 
 def seen(size: int = 10, *, mtime: float = NOW - 3600, success: bool = False) -> Observation:
-    sig = FileSig(size=size, mtime_ns=int(mtime * 1e9), ino=1)
+    sig = FileSig(size=size, mtime_ns=int(mtime * 1e9), ino=1, ctime_ns=int(mtime * 1e9))
     return Observation(KEY, ((1, sig),), None, success, int(mtime * 1e9))
 
 

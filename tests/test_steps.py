@@ -15,10 +15,13 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon.core import config, layout
+from skilltrain.daemon.core import config, dataset, layout
+from skilltrain.daemon.core.templates import PromptTemplates
 from skilltrain.daemon.infra.state import SetState, StateStore
 from skilltrain.daemon.service.discovery import Discovery
+from skilltrain.daemon.service.observe import Fingerprint, HumanDigests, observe
 from skilltrain.daemon.service.steps import Steps
+from skilltrain.handlers import loss
 from tests.daemon_helpers import build_workspace, wait_until
 
 STEP = layout.StepKey("r1", 1, 1)
@@ -69,8 +72,14 @@ class Bench:
         return path.read_text().splitlines() if path.exists() else []
 
     def done(self, *keys: layout.SetKey) -> None:
+        """Reported, as the daemon leaves a set: its report on disk, its fingerprint kept."""
         for key in keys or self.sets:
-            self.state.update(key.id, SetState.DONE)
+            report = key.report_path(self.cfg.paths.runs)
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text("A craft report.\n", encoding="utf-8")
+            report.with_suffix(".json").write_text("{}\n", encoding="utf-8")
+            self.state.update(key.id, SetState.DONE,
+                              fingerprint=fingerprint_now(self.cfg, key).as_json())
 
     def check(self) -> None:
         self.steps.check(STEP)
@@ -79,6 +88,16 @@ class Bench:
     def marker(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(STEP.marker(self.cfg.paths.runs).read_text())
         return data
+
+
+def fingerprint_now(cfg: config.Config, key: layout.SetKey) -> Fingerprint:
+    """The set's inputs as they are on disk now, as the reconciler fingerprints them."""
+    work = dataset.load_work(cfg.paths.data / key.work)
+    human = HumanDigests().digest(work, key.first, key.last)
+    assert human is not None
+    return Fingerprint.of(observe(key, cfg.paths.runs, cfg.paths.data).sigs, human,
+                          PromptTemplates(cfg.paths.prompts).source_hash(loss.TEMPLATE),
+                          cfg.llm.model)
 
 
 @pytest.fixture

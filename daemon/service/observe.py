@@ -1,11 +1,11 @@
 """Looking at one set on disk: is its range complete, settled, up to date?
 
 Only `stat` calls on the hot path. A set's fingerprint is the stat
-signature (size, mtime_ns, inode) of each model episode plus the hashes of
-the human range, the template and the model id; while the fingerprint
-equals the one recorded when its report was written, the report is up to
-date without reading a byte. When it differs, the sidecar's content hashes
-decide (a `touch` is not a change).
+signature (size, mtime_ns, inode, ctime_ns) of each model episode plus the
+hashes of the human range, the template and the model id; while the
+fingerprint equals the one recorded when its report was written, the report
+is up to date without reading a byte. When it differs, the sidecar's content
+hashes decide (a `touch` or a `chmod` is not a change).
 """
 from __future__ import annotations
 
@@ -22,17 +22,28 @@ from ...handlers import loss
 from ..core import dataset
 from ..core.errors import RefusedError
 from ..core.layout import SUCCESS_MARKER, SetKey
+from ..core.templates import PromptTemplates
 
 
 @dataclass(frozen=True)
 class FileSig:
+    """What `stat` says of a file's bytes without reading them.
+
+    ctime as well as mtime: an in-place rewrite of the same size with its
+    mtime put back (`rsync --inplace -t`, `touch -r`, `cp --preserve`) keeps
+    size, mtime and inode, and only ctime moves (no ordinary call can set it back).
+    ctime also moves without the text changing (chmod, a new hard link):
+    then the content hashes say "unchanged" and only the fingerprint is renewed.
+    """
+
     size: int
     mtime_ns: int
     ino: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileSig:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -177,8 +188,14 @@ def _marks_finished(marker: str, newest_episode_mtime_ns: int) -> bool:
 
 
 def sigs_digest(sigs: tuple[tuple[int, FileSig], ...]) -> str:
-    """The stat signatures of a range, short: the state keeps one per set."""
-    text = ";".join(f"{n}:{s.size}:{s.mtime_ns}:{s.ino}" for n, s in sigs)
+    """The stat signatures of a range, short: the state keeps one per set, the
+    sidecar one per report (model_stat_sigs).
+
+    One kept by a daemon from before ctime was in it never equals a new one:
+    its report is then judged by the content hashes once (a re-hash, not a
+    new report) and the new signature recorded.
+    """
+    text = ";".join(f"{n}:{s.size}:{s.mtime_ns}:{s.ino}:{s.ctime_ns}" for n, s in sigs)
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
@@ -281,3 +298,36 @@ def report_is_current(key: SetKey, runs: Path, fingerprint: Fingerprint,
     digest = dataset.files_digest({n: f"{scripts}/{dataset.episode_name(n)}"
                                    for n in range(key.first, key.last + 1)})
     return digest is not None and inputs.get("model_sha256") == digest
+
+
+class ReportCheck:
+    """The reconciler's "is the report up to date?", asked afresh of sets the
+    state calls done: the step barrier's last look before the optimizer
+    learns from them. Nothing cached across calls (the template is read, the
+    human files stat'ed each time); only `stat` calls while nothing changed.
+    """
+
+    def __init__(self, runs: Path, answer_key: Path, prompts: Path, model_id: str) -> None:
+        self.runs = runs
+        self.answer_key = answer_key
+        self.templates = PromptTemplates(prompts)
+        self.model_id = model_id
+        self.human_digests = HumanDigests(recheck_s=0.0)  # a digest is kept, its stats not
+
+    def stale(self, keys: list[SetKey], works: dict[str, dataset.Work],
+              recorded: dict[str, Fingerprint | None]) -> list[SetKey]:
+        """The sets among `keys` whose report is not one of their inputs as they
+        are on disk now. `recorded`: each set's fingerprint in the state.
+        Raises ConfigError when the template cannot be read."""
+        template = self.templates.source_hash(loss.TEMPLATE)
+        stale = []
+        for key in keys:
+            obs = observe(key, self.runs, self.answer_key)
+            work = works.get(key.work)
+            human = (self.human_digests.digest(work, key.first, key.last)
+                     if obs.complete and work is not None else None)
+            if not human or not report_is_current(
+                    key, self.runs, Fingerprint.of(obs.sigs, human, template, self.model_id),
+                    recorded.get(key.id)):
+                stale.append(key)
+        return stale

@@ -51,6 +51,7 @@ from .steps import Steps
 
 HINT_DEBOUNCE_S = 0.02  # coalesce the burst of events one file write makes
 PROGRESS_EVERY_S = 1.0  # a long scan says how far it is this often
+CACHED_S = 1.0  # the template's hash and a human range's stats are trusted this long
 
 Emit = Callable[..., None]
 ScanProgress = Callable[[int, int], None]  # (sets looked at, sets in the scan)
@@ -85,13 +86,16 @@ class Reconciler:
         self.heartbeat = heartbeat
         self.scanned = scanned  # after each scan: the step folders still open (to watch)
         self.settle = settle
-        self.human_digests = HumanDigests()
+        self.human_digests = HumanDigests(recheck_s=CACHED_S)
         self.failures = 0  # sets that will not complete by themselves (--once exit code)
         self._template_hash: tuple[float, str] | None = None
         self._scan_guard = threading.Lock()
         self._scanning = False  # one full scan at a time; under _scan_guard
         self._scan_wanted = False  # asked for while one ran: it goes round once more
         revisits.serve(self._evaluate_job, self.scan)
+        # A set the step barrier found changed (it reads afresh): looked at once
+        # this reconciler's caches have caught up: its look sees what the barrier saw.
+        steps.serve(lambda key: revisits.look(key, delay_s=CACHED_S + 0.05))
 
     # ------------------------------------------------------------------- scan
     def scan(self, progress: ScanProgress | None = None) -> None:
@@ -289,7 +293,7 @@ class Reconciler:
         each scan): a burst of evaluations reads the file once, an edit is
         seen within a second."""
         cached = self._template_hash
-        if cached is None or time.monotonic() - cached[0] > 1.0:
+        if cached is None or time.monotonic() - cached[0] > CACHED_S:
             cached = (time.monotonic(), self.templates.source_hash(loss.TEMPLATE))
             self._template_hash = cached
         return cached[1]

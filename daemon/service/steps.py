@@ -29,6 +29,7 @@ from ..infra import log
 from ..infra.state import SetState, StateStore, StepRecord
 from . import curve
 from .discovery import Discovery
+from .observe import Fingerprint, ReportCheck
 
 Emit = Callable[..., None]
 
@@ -54,6 +55,12 @@ class Steps:
         self._futures: list[Future[None]] = []
         self._pending: set[str] = set()  # step ids with an optimizer run claimed; state.lock
         self._compared: set[str] = set()  # step ids whose record met its marker; state.lock
+        self.reports = ReportCheck(self.runs, cfg.paths.data, cfg.paths.prompts, cfg.llm.model)
+        self._look: Callable[[layout.SetKey], None] = lambda key: None  # until served
+
+    def serve(self, look: Callable[[layout.SetKey], None]) -> None:
+        """The reconciler, once built: how a set found changed at the barrier is looked at."""
+        self._look = look
 
     def optimized(self, step: layout.StepKey) -> bool:
         rec = self.state.steps.get(step.id)
@@ -61,21 +68,51 @@ class Steps:
 
     # ---------------------------------------------------------------- barrier
     def check(self, step: layout.StepKey, keys: list[layout.SetKey] | None = None) -> None:
-        """When every expected set of a step is done: step.reported once, then the optimizer."""
+        """When every expected set of a step is done: step.reported once, then the optimizer.
+
+        "Done" is the state's word, a look behind the disk (an episode changed
+        just now, its hint not yet looked at): each set is checked on disk once
+        more; one whose report is not current holds the step back and is looked at.
+        """
         keys = list(self.discovery.sets_of_step(step)) if keys is None else keys
-        if not keys:
-            return
         with self.state.lock:
-            if not all((r := self.state.sets.get(k.id)) and r.state == SetState.DONE
-                       for k in keys):
+            recorded = self._to_confirm(step, keys)
+        if recorded is None:
+            return
+        try:  # outside the lock: stat calls, a read only of what changed
+            stale = self.reports.stale(keys, self.discovery.works, recorded)
+        except ConfigError:
+            return  # no template to confirm against: each look at a set says why
+        for key in stale:
+            self._look(key)
+        if not stale:
+            self._report(step, keys)
+
+    def _to_confirm(self, step: layout.StepKey, keys: list[layout.SetKey]
+                    ) -> dict[str, Fingerprint | None] | None:
+        """Each set's fingerprint if the step is to be reported or optimized now (lock held)."""
+        if not keys or not _all_done(self.state, keys):
+            return None
+        rec = self._record(step) or StepRecord()
+        if rec.reported_at is not None and not self._due(step, rec):
+            return None
+        return {k.id: Fingerprint.from_json(self.state.sets[k.id].fingerprint or {})
+                for k in keys}
+
+    def _due(self, step: layout.StepKey, rec: StepRecord) -> bool:  # run its optimizer now?
+        return (not rec.optimizer_done
+                and (rec.optimizer_attempts < self.cfg.optimizer.max_attempts
+                     or self._job_out_there(step))  # its last attempt, submitted
+                and (rec.optimizer_next_at or 0) <= self.clock()
+                and step.id not in self._pending)
+
+    def _report(self, step: layout.StepKey, keys: list[layout.SetKey]) -> None:
+        with self.state.lock:
+            if not _all_done(self.state, keys):  # a look since they were confirmed
                 return
             rec = self._record(step) or StepRecord()
             first_time = rec.reported_at is None
-            due = (not rec.optimizer_done
-                   and (rec.optimizer_attempts < self.cfg.optimizer.max_attempts
-                        or self._job_out_there(step))  # its last attempt, submitted
-                   and (rec.optimizer_next_at or 0) <= self.clock()
-                   and step.id not in self._pending)
+            due = self._due(step, rec)
             if first_time or due:
                 rec = self.state.step(step.id)  # only now: it marks the state for a write
             if first_time:
@@ -307,6 +344,11 @@ class Steps:
         if self.cfg.optimizer.outlives_daemon:
             # Only a waiting client to end: its job runs on, the next start waits for it.
             self.kill_optimizer.set()
+
+
+def _all_done(state: StateStore, keys: list[layout.SetKey]) -> bool:
+    """Every set is DONE in the state (state.lock held)."""
+    return all((r := state.sets.get(k.id)) and r.state == SetState.DONE for k in keys)
 
 
 def _marker_is_newer(marker: dict[str, Any], rec: StepRecord) -> bool:
