@@ -27,7 +27,7 @@ from ..core.errors import ConfigError
 from ..guard import sealed_write
 from ..infra import log
 from ..infra.state import SetState, StateStore, StepRecord
-from . import curve
+from . import curve, retire
 from .discovery import Discovery
 from .observe import Fingerprint, ReportCheck
 
@@ -85,7 +85,7 @@ class Steps:
             return  # no template to confirm against: each look at a set says why
         for key in stale:
             self._look(key)
-        if not stale:
+        if not stale and retire.retire_strays(self.runs, step, keys, self.emit):
             self._report(step, keys)
 
     def _to_confirm(self, step: layout.StepKey, keys: list[layout.SetKey]
