@@ -216,7 +216,7 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     key_index = leakguard.index_for(job.work.name, {**all_human, **human})
     # Before the call: an error about it may echo this key into the log.
     leakguard.keep_current(key_index)
-    other_keys = _other_works_keys(job)
+    other_keys = _other_works_keys(job, key_index)
     _refuse_copies_of_other_works(job, model, other_keys)
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
@@ -447,10 +447,17 @@ def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],
                 f"of human {human_name} (a link to or copy of the answer key); not sent")
 
 
-def _other_works_keys(job: LossJob) -> tuple[leakguard.HumanIndex, ...]:
-    """Every other work's index the daemon keeps (none for a command run alone)."""
+def _other_works_keys(job: LossJob, own: leakguard.HumanIndex
+                      ) -> tuple[leakguard.HumanIndex, ...]:
+    """Every other work's index the daemon keeps (none for a command run alone), one
+    of each text: an index of the same episodes finds what the other finds."""
     keys = leakguard.installed()
-    return tuple(i for i in keys.indexes if i.work != job.work.name) if keys else ()
+    seen, others = {own.episode_digests}, []
+    for index in keys.indexes if keys else ():
+        if index.work != job.work.name and index.episode_digests not in seen:
+            seen.add(index.episode_digests)
+            others.append(index)
+    return tuple(others)
 
 
 def _refuse_copies_of_other_works(job: LossJob, model: dict[int, str],
