@@ -302,8 +302,8 @@ def racily_clean(changed_ns: int) -> bool:
     return time.time_ns() - changed_ns <= RACY_MTIME_NS
 
 
-# human/ folder -> ((inode, mtime_ns), its episode files' names) of its last listing.
-_human_listing: dict[Path, tuple[tuple[int, int], tuple[str, ...]]] = {}
+# human/ folder -> ((inode, mtime_ns), (episode file names, their numbers)) when last listed.
+_human_listing: dict[Path, tuple[tuple[int, int], tuple[tuple[str, ...], tuple[int, ...]]]] = {}
 
 
 @dataclass(frozen=True)
@@ -321,25 +321,30 @@ class Work:
 
     def human_episodes(self) -> list[int]:
         """Episode numbers present in human/, sorted."""
-        return sorted({n for name in self.human_files() if (n := episode_number(name)) is not None})
+        return list(self._listing()[1])
 
     def human_files(self) -> tuple[str, ...]:
         """The names in human/ that are episodes, sorted (ep01.txt and ep001.txt are
         both episode 1: both are the answer key)."""
+        return self._listing()[0]
+
+    def _listing(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """human/'s episode files and their numbers, both sorted."""
         try:
             st = os.stat(self.human_dir)
         except OSError:
-            return ()
+            return (), ()
         if not stat.S_ISDIR(st.st_mode):
-            return ()
+            return (), ()
         # Asked after every job (is the step complete?): the folder is listed
         # again only when its mtime says a name was added, removed or renamed.
         seen = (st.st_ino, st.st_mtime_ns)
         cached = _human_listing.get(self.human_dir)
         if cached is not None and cached[0] == seen:
             return cached[1]
-        found = tuple(sorted(entry.name for entry in os.scandir(self.human_dir)
-                             if episode_number(entry.name) is not None))
+        names = {entry.name: n for entry in os.scandir(self.human_dir)
+                 if (n := episode_number(entry.name)) is not None}
+        found = tuple(sorted(names)), tuple(sorted(set(names.values())))
         if not racily_clean(st.st_mtime_ns):
             _human_listing[self.human_dir] = (seen, found)
         return found
