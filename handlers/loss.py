@@ -30,7 +30,7 @@ from ..daemon.core.errors import (
     RefusedError,
 )
 from ..daemon.core.templates import PromptTemplates
-from ..daemon.guard import leakguard, sealed_write
+from ..daemon.guard import job_keys, leakguard, sealed_write
 from ..daemon.infra import llm
 from ..daemon.reviewer import craft_claims, craft_distance, craft_measuring, craft_prompt
 
@@ -210,14 +210,14 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
     human, model = read_inputs()
     # Read once per job: for the copy check now and the leak index after the call.
     human_files = job.work.read_human_files()
-    _refuse_copies_of_the_answer_key(job, model, human_files)
-    all_human = dataset.by_episode(human_files)
-    # The whole work, not the range: a report on ep01-03 must not quote ep06 either.
-    key_index = leakguard.index_for(job.work.name, {**all_human, **human})
+    job_keys.refuse_copies(job.scripts_dir, model, human_files)
+    # The whole work, not the range: a report on ep01-03 must not quote ep06 either;
+    # every file of a number (ep01.txt, ep001.txt), and the range as it was read.
+    key_index = leakguard.index_for(job.work.name, job_keys.whole_key(human_files, human))
     # Before the call: an error about it may echo this key into the log.
     leakguard.keep_current(key_index)
-    other_keys = _other_works_keys(job, key_index)
-    _refuse_copies_of_other_works(job, model, other_keys)
+    other_keys = job_keys.other_works(key_index)
+    job_keys.refuse_near_copies(job.scripts_dir, model, (key_index, *other_keys))
     template = templates.load(TEMPLATE)  # read once: the hash is of what we render
     hashes = InputHashes(
         human=dataset.episodes_digest(human),
@@ -432,46 +432,6 @@ def _guard(report: str, job: LossJob, seal: sealed_write.Seal,
         raise RefusedError(f"the report for {job.work.name} ep{job.range_label} quotes the "
                            f"human screenplay verbatim in {len(leaks)} place(s)")
     return leakguard.redact(report, leaks), len(leaks)
-
-
-def _refuse_copies_of_the_answer_key(job: LossJob, model: dict[int, str],
-                                     human_files: dict[str, str]) -> None:
-    """A model episode with the content of any human episode of the work (a hard
-    link, a copy) is the answer key under another name: never sent, never archived."""
-    human_hashes = {dataset.sha256_text(text): name for name, text in human_files.items()}
-    for n, text in sorted(model.items()):
-        human_name = human_hashes.get(dataset.sha256_text(text))
-        if human_name is not None:
-            raise RefusedError(
-                f"model episode {job.scripts_dir / dataset.episode_name(n)} has the content "
-                f"of human {human_name} (a link to or copy of the answer key); not sent")
-
-
-def _other_works_keys(job: LossJob, own: leakguard.HumanIndex
-                      ) -> tuple[leakguard.HumanIndex, ...]:
-    """Every other work's index the daemon keeps (none for a command run alone), one
-    of each text: an index of the same episodes finds what the other finds."""
-    keys = leakguard.installed()
-    seen, others = {own.episode_digests}, []
-    for index in keys.indexes if keys else ():
-        if index.work != job.work.name and index.episode_digests not in seen:
-            seen.add(index.episode_digests)
-            others.append(index)
-    return tuple(others)
-
-
-def _refuse_copies_of_other_works(job: LossJob, model: dict[int, str],
-                                  others: tuple[leakguard.HumanIndex, ...]) -> None:
-    """A model episode with the content of another work's human episode (a hard
-    link, a copy): that work's key under this work's name, never sent."""
-    for n, text in sorted(model.items()):
-        digest = dataset.sha256_text(text)
-        for index in others:
-            if digest in index.episode_digests:
-                raise RefusedError(
-                    f"model episode {job.scripts_dir / dataset.episode_name(n)} has the "
-                    f"content of a human episode of work {index.work} (a link to or copy "
-                    "of its answer key); not sent")
 
 
 def _check_unchanged(job: LossJob, hashes: InputHashes,

@@ -398,9 +398,58 @@ def test_another_works_key_in_the_scripts_is_refused_unsent(
     run_once_in_process(ws)
 
     (refused,) = ws.events("loss.refused", range="01-03")
-    assert "content of a human episode of work beauty" in refused["reason"]
+    assert "100% the text of human ep02.txt of work beauty" in refused["reason"]
     assert not [r for r in llm_server.requests if human_runs(prompt_of(r))]
     assert_sealed(ws)
+
+
+@pytest.mark.parametrize("how", ["second file of a number", "one byte changed",
+                                 "own key, one byte changed"])
+def test_a_key_episode_changed_or_filed_twice_in_the_scripts_is_refused_unsent(
+        tmp_path: Path, llm_server: LLMServer, how: str) -> None:
+    # An exact hash found a copy; a byte changed, or a second file of an episode
+    # number (its digest was of the two joined), went out to the LLM and into
+    # the archive, whose model text is allowed (a review of this change).
+    ws = other_work_workspace(tmp_path, llm_server)
+    script = ws.scripts("r1", 0, 0, "other") / "ep02.txt"
+    if how == "second file of a number":
+        only_here = "\n".join(reversed(KEY[5].splitlines())) + "\n"
+        (ws.data / "beauty" / "human" / "ep002.txt").write_text(only_here, encoding="utf-8")
+        script.write_text(only_here, encoding="utf-8")
+    else:
+        work = "other" if how.startswith("own") else "beauty"
+        text = (ws.data / work / "human" / "ep02.txt").read_text(encoding="utf-8")
+        script.write_text(text[:-2] + ("x" if text[-2] != "x" else "y") + text[-1:],
+                          encoding="utf-8")
+
+    run_once_in_process(ws)
+
+    (refused,) = ws.events("loss.refused", range="01-03")
+    assert "the text of human ep02.txt of work" in refused["reason"]
+    assert "(a copy of its answer key); not sent" in refused["reason"]
+    assert not [r for r in llm_server.requests if human_runs(prompt_of(r))]
+    assert not list(ws.runs.rglob("other_ep01-03*"))
+    assert_sealed(ws)
+
+
+def test_a_report_quoting_the_second_file_of_an_episode_is_redacted(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # The job's own index took the range's episodes as read (ep01.txt) over
+    # the two files joined: a quote of ep001.txt in the report on ep01-03 went out.
+    quote = ("Marguerite winds the clockwork lens while the gulls wheel through the copper "
+             "beam")
+    llm_server.default = lambda request: Reply.ok(
+        f"The original trusts images.\n\nAs the original has it: {quote}.\n")
+    ws = key_workspace(tmp_path, llm_server)
+    (ws.data / "beauty0" / "human" / "ep001.txt").write_text(
+        f"INT. LIGHTHOUSE GALLERY - NIGHT\n\n{quote} above the drowned orchard.\n",
+        encoding="utf-8")
+
+    run_once_in_process(ws)
+
+    assert len(list(ws.runs.rglob("beauty0_ep0?-0?.md"))) == 2
+    assert not [p for p in ws.runs.rglob("*") if p.is_file()
+                and "clockwork lens" in p.read_text(encoding="utf-8", errors="replace")]
 
 
 def test_a_report_quoting_another_works_key_is_redacted(

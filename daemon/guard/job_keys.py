@@ -1,0 +1,71 @@
+"""A loss job's answer keys: its own work's whole key, every other work's, and
+the model episodes that are one of them under another name.
+
+A report is read against its own work's key and every other work's the
+daemon keeps (a model may quote a screenplay it memorised that the operator
+also trains on). A model episode that is a key -- linked, copied, or copied
+with a byte changed, of its own work or another -- is never sent and never
+archived (the archive allows the model's text: it must not be a key).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core import dataset
+from ..core.errors import RefusedError
+from . import leakguard
+
+# A model episode this much of whose word runs are a key's is a copy of it with
+# something changed; a closed-book draft of the same story shares ~0.1 %.
+COPY_SHARE = 0.5
+
+
+def whole_key(files: dict[str, str], human: dict[int, str]) -> dict[int, str]:
+    """Every key file by episode (two files of a number joined), and the range's
+    text as it was read where the files, read again, do not hold it."""
+    episodes = dataset.by_episode(files)
+    for n, text in human.items():
+        if text not in episodes.get(n, ""):
+            episodes[n] = f"{episodes[n]}\n\n{text}" if n in episodes else text
+    return episodes
+
+
+def other_works(own: leakguard.HumanIndex) -> tuple[leakguard.HumanIndex, ...]:
+    """Every other work's index the daemon keeps (none for a command run alone), one
+    of each text: an index of the same episodes finds what the other finds."""
+    keys = leakguard.installed()
+    seen, others = {own.episode_digests}, []
+    for index in keys.indexes if keys else ():
+        if index.work != own.work and index.episode_digests not in seen:
+            seen.add(index.episode_digests)
+            others.append(index)
+    return tuple(others)
+
+
+def refuse_copies(scripts_dir: Path, model: dict[int, str], human_files: dict[str, str]) -> None:
+    """A model episode with the content of a human episode file of its work (a hard
+    link, a copy): refused, naming the file."""
+    human_hashes = {dataset.sha256_text(text): name for name, text in human_files.items()}
+    for n, text in sorted(model.items()):
+        human_name = human_hashes.get(dataset.sha256_text(text))
+        if human_name is not None:
+            raise RefusedError(
+                f"model episode {scripts_dir / dataset.episode_name(n)} has the content "
+                f"of human {human_name} (a link to or copy of the answer key); not sent")
+
+
+def refuse_near_copies(scripts_dir: Path, model: dict[int, str],
+                       indexes: tuple[leakguard.HumanIndex, ...]) -> None:
+    """A model episode that is mostly a key's text (a copy with a byte changed,
+    another work's episode linked in): refused, naming the work and episode."""
+    for n, text in sorted(model.items()):
+        words = leakguard.tokens(text)
+        runs: dict[int, list[int]] = {}  # n -> the episode's n-word runs, hashed once
+        for index in indexes:
+            hashes = runs.setdefault(index.n, leakguard.shingle_hashes(words, index.n))
+            share, episode = leakguard.copied_share(hashes, index)
+            if share >= COPY_SHARE:
+                raise RefusedError(
+                    f"model episode {scripts_dir / dataset.episode_name(n)} is {share:.0%} "
+                    f"the text of human {dataset.episode_name(episode)} of work "
+                    f"{index.work} (a copy of its answer key); not sent")
