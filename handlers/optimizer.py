@@ -93,7 +93,8 @@ def run(argv: Sequence[str], *, timeout_s: float, emit: Emit, cwd: str | None = 
     except OSError as e:
         return OptimizerResult(None, _ms(t0), f"cannot start {argv[0]!r}: {e.strerror}")
     assert proc.stdout is not None and proc.stderr is not None
-    relays = [threading.Thread(target=_relay, args=(stream, name, emit, output_event),
+    lines = leakguard.LineStream()  # both streams: a passage may alternate between them
+    relays = [threading.Thread(target=_relay, args=(stream, name, emit, output_event, lines),
                                daemon=True)
               for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for relay in relays:
@@ -135,8 +136,8 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def _relay(stream: IO[str], name: str, emit: Emit, event: str) -> None:
-    lines = leakguard.LineStream()  # a passage wrapped over lines is read whole
+def _relay(stream: IO[str], name: str, emit: Emit, event: str,
+           lines: leakguard.LineStream) -> None:
     with stream:
         for line in stream:
             emit(event, stream=name, line=lines.guard(line.rstrip("\n")))

@@ -472,8 +472,9 @@ def test_a_report_quoting_another_works_key_is_redacted(
     assert_sealed(ws)
 
 
-@pytest.mark.parametrize("words_a_line", [3, 5])
-def test_a_passage_a_program_prints_wrapped_over_lines_is_cut(words_a_line: int) -> None:
+@pytest.mark.parametrize(("words_a_line", "streams"), [(3, 1), (5, 1), (4, 2)])
+def test_a_passage_a_program_prints_wrapped_over_lines_is_cut(words_a_line: int,
+                                                                 streams: int) -> None:
     # The writer's and optimizer's output is logged a line at a time, and the
     # log's guard read each line alone: a passage printed a few words a line
     # went out whole, each line under the guard's length.
@@ -489,7 +490,12 @@ def test_a_passage_a_program_prints_wrapped_over_lines_is_cut(words_a_line: int)
     emitted: list[str] = []
     leakguard.install(leakguard.AnswerKeys([leakguard.index_for(adversarial.WORK, KEY)]))
     try:
-        result = optimizer.run([sys.executable, "-c", f"print({wrapped!r})"], timeout_s=30,
+        # streams=2: its lines alternate between stdout and stderr, each flushed.
+        program = ("import sys, time\n"
+                   f"for k, line in enumerate({wrapped!r}.split(chr(10))):\n"
+                   f"    out = (sys.stdout, sys.stderr)[k % {streams}]\n"
+                   "    print(line, file=out, flush=True); time.sleep(0.05)\n")
+        result = optimizer.run([sys.executable, "-c", program], timeout_s=30,
                                emit=lambda event, **f: emitted.append(f["line"]))
     finally:
         leakguard.install(None)

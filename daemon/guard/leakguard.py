@@ -361,15 +361,17 @@ class LineStream:
 
     def __init__(self) -> None:
         self._before = ""
+        self._lock = threading.Lock()  # a program's stdout and stderr share one stream
 
     def guard(self, line: str) -> str:
         """`line` with the part of any passage it ends or continues cut."""
         keys = installed()
         if keys is None:
             return line
-        text = f"{self._before}\n{line}" if self._before else line
+        with self._lock:
+            text = f"{self._before}\n{line}" if self._before else line
+            self._before = text[-self.WINDOW_CHARS:]
         start = len(text) - len(line)
-        self._before = text[-self.WINDOW_CHARS:]
         cuts = [Leak(start=max(leak.start, start) - start, end=leak.end - start,
                      episode=leak.episode, n_words=leak.n_words, line=1)
                 for leak in keys.leaks(text) if leak.end > start]
