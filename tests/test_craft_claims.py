@@ -46,9 +46,9 @@ def test_the_list_format_is_read_leniently() -> None:
         ("dialogue_share", "similar", 7)]
 
 
-def test_every_claims_section_is_read_and_each_ends_at_the_next_heading() -> None:
+def test_every_claims_section_is_read_and_each_ends_at_a_heading_of_its_level() -> None:
     report = ("## Claims\n- speech_words_mean: lower\n\n# Claims\n- scenes_per_episode: lower\n"
-              "\n## Afterword\n- dialogue_share: higher\n")
+              "\n# Afterword\n- dialogue_share: higher\n")
     assert [c.statistic for c in read_claims(report).claims] == [
         "speech_words_mean", "scenes_per_episode"]
 
@@ -243,7 +243,16 @@ WRITTEN = {
     "hyphen": "- {s} - {d}",
     "equals": "- {s} = {d}",
     "table row": "| {s} | {d} |",
+    # Read as malformed by 14f779d: "original"/"human" before the direction,
+    # a denied or a parenthesised second direction.
+    "compared with the original": "- {s}: compared with the original, {d}",
+    "against the human's": "- {s}: against the human's, {d}",
+    "the human's is (inverse)": "- {s}: the human's is {inverse}",
+    "human (inverse)": "- {s}: human {inverse}",
+    "a denied second direction": "- {s}: {d}, not {other}",
+    "a parenthesised second direction": "- {s}: {d} ({other}?)",
 }
+INVERSE = {"higher": "lower", "lower": "higher", "similar": "similar"}
 
 
 def _truth(stats: tuple) -> list[tuple[str, str]]:
@@ -256,7 +265,9 @@ def _wrong(stats: tuple) -> list[tuple[str, str]]:
 
 def _claims_section(form: str, pairs: list[tuple[str, str]]) -> str:
     header = "| statistic | direction |\n|---|:---:|\n" if form.startswith("|") else ""
-    return f"## Claims\n\n{header}" + "".join(form.format(s=s, d=d) + "\n" for s, d in pairs)
+    return f"## Claims\n\n{header}" + "".join(
+        form.format(s=s, d=d, inverse=INVERSE.get(d), other=FLIP.get(d)) + "\n"
+        for s, d in pairs)
 
 
 def _verdicts(check: craft_claims.ClaimCheck) -> list[tuple[str, str, str]]:
@@ -287,11 +298,90 @@ def test_no_claims_section_hides_the_wrong_claims_of_another(stats: tuple,
     assert check.too_contradicted(craft_claims.REFUSE_SHARE)
 
 
-@pytest.mark.parametrize("value", ["higher, not lower", "similar or higher", "lower (similar?)",
-                                   "not higher", "isn't much lower", "the human's is higher"])
-def test_a_value_with_two_directions_or_one_turned_around_is_malformed(value: str) -> None:
+@pytest.mark.parametrize("value", ["similar or higher", "higher; the draft said lower",
+                                   "not higher", "isn't much lower", "neither higher nor lower",
+                                   "not higher (lower)"])
+def test_a_value_with_two_directions_or_only_a_denied_one_is_malformed(value: str) -> None:
     claims = read_claims(f"## Claims\n- speech_words_mean: {value}\n")
     assert claims.claims == () and [n for n, _ in claims.malformed] == [2]
+
+
+READ_AS = {  # value -> the model's direction
+    "similar (slightly higher)": "similar",
+    "lower (the human's count is higher)": "lower",
+    "21.8 against 5.2 (higher)": "higher",
+    "higher, not lower as the draft suggests": "higher",
+    "not lower but higher": "higher",
+    "compared with the human original, higher": "higher",
+    "compared with the human original higher": "higher",
+    "higher than the human's": "higher",
+    "the model's is higher than the original": "higher",
+    "the human's is higher": "lower",
+    "the original's is higher": "lower",
+    "human higher": "lower",
+    "the human's is much lower": "higher",
+    "human 5.2, model 21.8: higher": "higher",
+}
+
+
+@pytest.mark.parametrize(("value", "direction"), READ_AS.items(), ids=READ_AS.keys())
+def test_the_direction_is_the_models_one_claimed(value: str, direction: str) -> None:
+    # A parenthesis is commentary, a denied direction is not the claim, and a
+    # direction said of the human's is the model's inverted: read and checked.
+    (claim,) = read_claims(f"## Claims\n- speech_words_mean: {value}\n").claims
+    assert claim.direction == direction
+
+
+# Honest lists (every readable claim confirmed) that 14f779d refused in refuse
+# mode and annotated "could not be checked": none is flagged in either mode.
+HONEST = {
+    "next steps with a colon after the list": (
+        "- speech_words_mean: higher\n- scenes_per_episode: lower\n\n**Next steps**\n"
+        "- Pacing: tighten act two.\n- Dialogue: let a look carry it.\n"
+        "- Endings: leave the scene early.\n", 2),
+    "prose bullets after the list": (
+        "- speech_words_mean: higher\n- scenes_per_episode: lower\n\n**Next steps**\n"
+        "- Cut speeches to a line or two.\n- Break long scenes in two.\n"
+        "- Keep the episode length.\n", 2),
+    "a direction in a parenthesis": (
+        "- speech_words_mean: higher\n- words_per_episode: similar (slightly higher)\n"
+        "- scenes_per_episode: lower (the human's count is higher)\n", 3),
+    "a denied direction": (
+        "- speech_words_mean: higher, not lower as the draft suggests\n"
+        "- scenes_per_episode: lower, not similar\n- words_per_episode: similar\n", 3),
+    "compared with the human's first": (
+        "- speech_words_mean: compared with the human original, higher\n"
+        "- scenes_per_episode: against the original, lower\n- words_per_episode: similar\n", 3),
+    "claims under sub-headings": (
+        "### Dialogue\n- speech_words_mean: higher\n### Scenes\n- scenes_per_episode: lower\n"
+        "- words_per_episode: similar\n", 3),
+}
+
+
+@pytest.mark.parametrize(("body", "confirmed"), HONEST.values(), ids=HONEST.keys())
+def test_an_honest_list_is_not_flagged_however_it_is_written(
+        stats: tuple, body: str, confirmed: int) -> None:
+    check = check_report(f"Prose.\n\n## Claims\n\n{body}\n## Afterword\n\nMore.\n", *stats)
+    assert check.malformed == () and check.counts["confirmed"] == confirmed
+    assert check.contradicted == ()  # annotate mode: nothing appended
+    assert not check.too_contradicted(craft_claims.REFUSE_SHARE)  # refuse mode: written
+
+
+def test_wrong_claims_said_against_the_original_are_contradicted(stats: tuple) -> None:
+    # Three right claims and two wrong ones "compared with the original":
+    # 14f779d set the two aside as malformed, and annotated nothing.
+    truth = dict(_truth(stats))
+    right = [f"- {s}: {truth[s]}" for s in ("scene_words_mean", "dialogue_share",
+                                            "words_per_episode")]
+    wrong = [f"- {s}: compared with the original, {FLIP[truth[s]]}"
+             for s in ("speech_words_mean", "scenes_per_episode")]
+    check = check_report("## Claims\n" + "\n".join(right + wrong) + "\n", *stats)
+    assert check.malformed == () and check.counts == {
+        "confirmed": 3, "contradicted": 2, "not_checkable": 0}
+    assert [v.statistic for v in check.contradicted] == ["speech_words_mean",
+                                                          "scenes_per_episode"]
+    assert "`scenes_per_episode`" in craft_claims.annotation(check.contradicted)
+    assert check.too_contradicted(0.3) and not check.too_contradicted(0.5)
 
 
 def test_an_honest_list_with_qualifiers_is_not_flagged(stats: tuple) -> None:
@@ -311,8 +401,9 @@ UNREADABLE = {
     "prose": ("The model's speeches run long.\nIts scenes are fewer.\nDialogue is about even.\n",
               3, 3),
     "empty": ("", 1, 1),
-    "three of four": ("speeches run long\nscenes_per_episode: fewer\n: higher\n"
-                      "- speech_words_mean: higher\n", 3, 4),
+    # "speeches run long" names no statistic: prose beside the claims, passed over.
+    "two of three": ("speeches run long\nscenes_per_episode: fewer\n: higher\n"
+                     "- speech_words_mean: higher\n", 2, 3),
 }
 
 
@@ -391,3 +482,15 @@ def test_the_loss_step_annotates_a_list_it_cannot_read(loss_job: Any) -> None:
     assert "## Measured facts" in written
     assert "2 of 2 claims above could not be checked against the measurements" in written
     assert result.sidecar["claims"]["malformed"] == 2
+
+
+def test_the_loss_step_writes_an_honest_list_with_next_steps_as_is(loss_job: Any) -> None:
+    # Refused by 14f779d: the bullets under "**Next steps**" counted as unreadable claims.
+    reply = ("Speeches differ.\n\n## Claims\n\n- speech_words_mean: higher\n"
+             "- scenes_per_episode: lower\n\n**Next steps**\n\n- Cut speeches to a line.\n"
+             "- Break long scenes in two.\n- Keep the episode length.\n")
+    result = _loss_step(loss_job, reply, "refuse")
+    written = loss_job.report_path.read_text(encoding="utf-8")
+    assert "## Measured facts" not in written and "Keep the episode length." in written
+    assert result.sidecar["claims"]["malformed"] == 0
+    assert result.sidecar["claims"]["confirmed"] == 2

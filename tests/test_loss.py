@@ -1290,7 +1290,7 @@ def test_ignore_and_a_report_without_claims_are_written_as_they_are(
 
 def test_a_malformed_claims_list_is_reported_in_the_sidecar(
         job: loss.LossJob, llm_server: LLMServer, settings: SettingsFactory) -> None:
-    llm_server.script(Reply.ok(f"{REPORT}\n\n## Claims\n\nspeeches are long\n"
+    llm_server.script(Reply.ok(f"{REPORT}\n\n## Claims\n\nscene_words_mean is long\n"
                                "- speech_words_mean: higher\n"))
     run(job, settings())
     claims = json.loads(job.sidecar_path.read_text("utf-8"))["claims"]

@@ -15,12 +15,13 @@ both sides (`facts_table`) and asks it to end with a list of its claims:
 
 one line per claim, `statistic: higher | lower | similar`, about the model's
 value against the human's (docs/grounded-reports.md). Reviewers write it as
-people do: "much higher", "the model's is lower", an em dash or "=" for the
-colon, a Markdown table, the list split over two sections. So the direction
-is read wherever it stands in the value and every Claims section is read: a
-qualifier or a layout must not turn a wrong claim into an unreadable one,
-which would count for nothing. Each claim is checked against the
-measurements with the statistic's floor (craft_report.METRICS):
+people do: "much higher", "compared with the original, higher", "similar
+(slightly higher)", "higher, not lower", an em dash for the colon, a table,
+sub-headings, two sections. So the direction is read wherever it stands in
+the value and every Claims section is read: a qualifier or a layout must not
+turn a wrong claim into an unreadable one, which would count for nothing,
+nor an honest one. Each claim is checked against the measurements with the
+statistic's floor (craft_report.METRICS):
 
     g = ln((model + floor) / (human + floor))
     higher   contradicted when g < -DIRECTION_TOLERANCE, else confirmed
@@ -29,10 +30,11 @@ measurements with the statistic's floor (craft_report.METRICS):
     an unknown statistic, or one a side lacks: not checkable
 
 A report without the list is still a report: "not checked", counted. A line
-that cannot be read is reported by line number and reason, never a crash.
-A list that is mostly unreadable (more than half its lines, or no readable
-claim at all) cannot vouch for its report: it is seen like a contradiction,
-annotated, and in refuse mode its unreadable lines count as contradicted.
+that tries to be a claim and cannot be read is reported by line number and
+reason, never a crash; prose beside the claims is passed over. A list that
+is mostly unreadable (more than half its lines, or no readable claim at all)
+cannot vouch for its report: it is seen like a contradiction, annotated, and
+in refuse mode its unreadable lines count as contradicted.
 Pure, no I/O; numbers and statistic names only, never screenplay text.
 """
 from __future__ import annotations
@@ -66,6 +68,7 @@ _BY_NAME: dict[str, Metric] = {
 # A statistic by how a reader reads its key or its label: words joined.
 _BY_READING: dict[str, Metric] = {
     "".join(textnorm.words_as_read(name)): m for name, m in _BY_NAME.items()}
+_NAME_WORDS = max(len(textnorm.words_as_read(name)) for name in _BY_NAME)  # most of any name
 # An unknown statistic's name is kept (not checkable) up to this many words.
 UNKNOWN_NAME_WORDS = 4
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s*(.*?)\s*#*\s*$")
@@ -83,10 +86,22 @@ _SEPARATOR = re.compile(r"[:=|]|\s-+|-+\s|--+|\b(?:is|are)\b", re.IGNORECASE)
 # hyphen: "speech_words_mean—higher". The dash is then the last one before
 # the direction, so that a hyphenated name stays whole.
 _DASH = re.compile(rf"-+(?=[^-]*?\b(?:{'|'.join(DIRECTIONS)})\b)", re.IGNORECASE)
-# Words that, before a direction, turn it around: "not higher", "the human's
-# is higher". Read as the model's direction they would be false contradictions.
-_TURNING = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent",
-                      "human", "humans", "original", "originals"})
+# Words that, before a direction in its clause, deny it: "higher, not lower as
+# the draft suggests" claims higher; "not higher" alone claims nothing.
+_NEGATION = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent"})
+# The human's side as the subject ("the human's is higher", "human higher"): the
+# model's is the other way, read so and checked, or a wrong claim could hide there.
+_HUMAN = frozenset({"human", "humans", "original", "originals"})
+_INVERSE = {"higher": "lower", "lower": "higher", "similar": "similar"}
+# ...but after one of these it is only what the model is measured against:
+# "compared with the human original, higher" is the model's direction.
+_AGAINST = frozenset({"with", "to", "than", "against", "versus", "vs", "unlike",
+                      "over", "from", "relative", "compared", "beside"})
+_ARTICLES = frozenset({"the", "a", "an", "its", "their"})  # skipped back to _AGAINST
+# A parenthesis is commentary on the claim beside it: "similar (slightly higher)".
+_ASIDE = re.compile(r"\([^()]*\)?|\[[^\[\]]*\]?")
+# Where a clause ends, in textnorm's reading: "compared with the original, higher".
+_CLAUSE = re.compile(r"[,;:.!?]|\s-+\s")
 
 
 @dataclass(frozen=True)
@@ -224,34 +239,41 @@ def read_claims(report: str) -> ClaimList:
 
 def _sections(lines: list[str]) -> Iterator[tuple[int, int]]:
     """(start, end) line indexes of each Claims section's body: from below
-    its heading to the next heading, whatever its name, or the end."""
-    start = None
+    its heading to the next heading of its level or above, or the end."""
+    start, level = None, 0
     for i, line in enumerate(lines):
         m = _HEADING.match(line)
         if m is None:
             continue
+        depth = len(m.group(1))
         if start is not None:
+            if depth > level:
+                continue  # a sub-heading ("### Dialogue"): its claims are the section's
             yield start, i
-        start = i + 1 if _SECTION.match(m.group(2)) else None
+        start, level = (i + 1, depth) if _SECTION.match(m.group(2)) else (None, 0)
     if start is not None:
         yield start, len(lines)
 
 
 def _read_section(lines: list[str], start: int,
                   end: int) -> tuple[list[Claim], list[tuple[int, str]]]:
-    """The claims of lines[start:end], and (line, why) for each line that is none."""
+    """The claims of lines[start:end], and (line, why) for each line that tries
+    to be one (_claim_like) and is not. Other prose ("**Next steps**" and its
+    bullets) is passed over, unless the section has no claim to pass it for."""
     claims: list[Claim] = []
     malformed: list[tuple[int, str]] = []
+    prose: list[tuple[int, str]] = []
     for i in range(start, end):
         line = lines[i].strip()
-        if not line or _FENCE.match(line) or _RULE.match(line):
-            continue
+        if (not line or _FENCE.match(line) or _RULE.match(line)
+                or _HEADING.match(lines[i]) or _table_header(lines, i)):
+            continue  # layout; a table header ("| statistic | direction |") names columns
         claim = _read_line(line, i + 1)
         if isinstance(claim, Claim):
             claims.append(claim)
-        elif not _table_header(lines, i):  # "| statistic | direction |" names columns
-            malformed.append((i + 1, claim))
-    return claims, malformed
+        else:
+            (malformed if _claim_like(line) else prose).append((i + 1, claim))
+    return claims, malformed if claims else sorted(malformed + prose)
 
 
 def _table_header(lines: list[str], i: int) -> bool:
@@ -289,6 +311,24 @@ def _read_line(line: str, number: int) -> Claim | str:
     return Claim(statistic="_".join(words), direction=direction, line=number)
 
 
+def _claim_like(line: str) -> bool:
+    """The line is a claim, if an unreadable one: it names a statistic, or has a
+    separator with a direction after it ("speeches ran: higher"). A next-steps
+    bullet ("- Pacing: tighten act two.") is prose, not an unreadable claim."""
+    if _names_statistic(line):
+        return True
+    split = _name_and_value(_BULLET.sub("", line))
+    return split is not None and not set(textnorm.words_as_read(split[1])).isdisjoint(
+        DIRECTIONS)
+
+
+def _names_statistic(line: str) -> bool:
+    """Some words of the line are a statistic's key or label, as a name is read."""
+    words = textnorm.words_as_read(line)
+    return any("".join(words[i:i + n]) in _BY_READING
+               for i in range(len(words)) for n in range(1, _NAME_WORDS + 1))
+
+
 def _name_and_value(line: str) -> tuple[str, str] | None:
     """A claim line cut at its first separator (a table row: after its first
     cell); None: it has none. Cut in textnorm's reading of the line, where
@@ -299,18 +339,49 @@ def _name_and_value(line: str) -> tuple[str, str] | None:
 
 
 def _direction(value: str) -> str:
-    """The one direction a claim's value names, wherever it stands among
-    qualifiers ("much higher", "the model's is lower"); else why there is
-    none to check (a sentence, never one of DIRECTIONS)."""
-    words = textnorm.words_as_read(value)
-    named = [w for w in words if w in DIRECTIONS]
-    if not named:
+    """The one direction a claim's value names for the model, wherever it stands
+    ("much higher"); else why there is none (a sentence, never one of DIRECTIONS).
+    One in a parenthesis is commentary unless it is the only one ("5 (higher)")."""
+    said = _said(_ASIDE.sub(",", value)) or _said(value)
+    if not said:
         return "the direction must be higher, lower or similar"
-    if len(set(named)) > 1:
+    claimed = {d for d in said if d is not None}
+    if not claimed:
+        return "a direction negated, none claimed"
+    if len(claimed) > 1:
         return "more than one direction: higher, lower or similar, one of them"
-    if _TURNING.intersection(words[:words.index(named[0])]):
-        return "a direction negated, or said of the human's value"
-    return named[0]
+    return claimed.pop()
+
+
+def _said(text: str) -> list[str | None]:
+    """Each direction `text` names, as the model's value against the human's:
+    inverted where said of the human's, None where denied. A word turns only
+    the direction after it in its clause: "higher, not lower" claims higher."""
+    said: list[str | None] = []
+    for clause in _CLAUSE.split(text):
+        words = textnorm.words_as_read(clause)
+        since = 0
+        for i, word in enumerate(words):
+            if word not in DIRECTIONS:
+                continue
+            before, since = words[since:i], i + 1
+            if _NEGATION.intersection(before):
+                said.append(None)
+            else:
+                said.append(_INVERSE[word] if _of_the_human(before) else word)
+    return said
+
+
+def _of_the_human(words: list[str]) -> bool:
+    """These words have the human's side for their subject ("the human's is",
+    "human"), not as what the model is compared with ("compared with the human")."""
+    before = ""  # the last word before it, articles and the human's own words skipped
+    for word in words:
+        if word in _HUMAN and before not in _AGAINST:
+            return True
+        if word not in _HUMAN and word not in _ARTICLES:
+            before = word
+    return False
 
 
 # --------------------------------------------------------------- checking
