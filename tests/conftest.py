@@ -37,11 +37,15 @@ for _name in (
 os.environ["OPENAI_API_KEY"] = "sk-test-loopback"
 
 from collections.abc import Callable, Iterator  # noqa: E402 - the environment must be set first
+from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.llm_server import LLMServer  # noqa: E402
+
+if TYPE_CHECKING:
+    from skilltrain.handlers.loss import LossJob
 
 if TYPE_CHECKING:
     from tests.daemon_helpers import InProcessDaemon, Workspace
@@ -110,3 +114,21 @@ def answer_keys() -> None:
     from skilltrain.daemon.guard import leakguard
 
     leakguard.install(leakguard.AnswerKeys(()))
+
+
+@pytest.fixture
+def example_loss_job(tmp_path: Path) -> LossJob:
+    """A loss job on the shipped example: its draft's ep01-03 as a run's scripts/."""
+    import shutil
+
+    from skilltrain.daemon.core import dataset
+    from skilltrain.handlers import loss
+
+    example = Path(__file__).resolve().parent.parent / "data" / "example"
+    scripts = tmp_path / "runs" / "r1" / "epoch_00" / "step_00" / "example" / "scripts"
+    scripts.mkdir(parents=True)
+    for n in (1, 2, 3):
+        shutil.copy(example / "model_draft" / f"ep{n:02d}.txt", scripts)
+    report = tmp_path / "runs" / "r1" / "loss" / "epoch_00" / "step_00" / "example_ep01-03.md"
+    return loss.LossJob(work=dataset.load_work(example), scripts_dir=scripts,
+                        report_path=report, first=1, last=3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -433,20 +432,6 @@ def test_a_list_mostly_read_and_a_report_without_one_are_not_flagged(stats: tupl
 # ------------------------------------------------ through the loss step (a scripted reply)
 
 
-@pytest.fixture
-def loss_job(tmp_path: Path) -> Any:
-    from skilltrain.daemon.core import dataset
-    from skilltrain.handlers import loss
-
-    scripts = tmp_path / "runs" / "r1" / "epoch_00" / "step_00" / "example" / "scripts"
-    scripts.mkdir(parents=True)
-    for n in (1, 2, 3):
-        shutil.copy(EXAMPLE / "model_draft" / f"ep{n:02d}.txt", scripts)
-    report = tmp_path / "runs" / "r1" / "loss" / "epoch_00" / "step_00" / "example_ep01-03.md"
-    return loss.LossJob(work=dataset.load_work(EXAMPLE), scripts_dir=scripts,
-                        report_path=report, first=1, last=3)
-
-
 def _loss_step(job: Any, reply: str, on_contradiction: str) -> Any:
     """The real loss step (template, guard, claims check, sealed write) with
     `reply` for the reviewer's completion."""
@@ -466,31 +451,31 @@ def _loss_step(job: Any, reply: str, on_contradiction: str) -> Any:
 
 
 def test_the_loss_step_refuses_a_wrong_list_written_with_qualifiers(
-        loss_job: Any, stats: tuple) -> None:
+        example_loss_job: Any, stats: tuple) -> None:
     from skilltrain.daemon.core.errors import ContradictedReportError
 
     reply = "Speeches differ.\n\n" + _claims_section(WRITTEN["much"], _wrong(stats))
     with pytest.raises(ContradictedReportError):
-        _loss_step(loss_job, reply, "refuse")
-    assert not loss_job.report_path.exists()
+        _loss_step(example_loss_job, reply, "refuse")
+    assert not example_loss_job.report_path.exists()
 
 
-def test_the_loss_step_annotates_a_list_it_cannot_read(loss_job: Any) -> None:
+def test_the_loss_step_annotates_a_list_it_cannot_read(example_loss_job: Any) -> None:
     reply = "Speeches differ.\n\n## Claims\n\nThe speeches run long.\nThe scenes are fewer.\n"
-    result = _loss_step(loss_job, reply, "annotate")
-    written = loss_job.report_path.read_text(encoding="utf-8")
+    result = _loss_step(example_loss_job, reply, "annotate")
+    written = example_loss_job.report_path.read_text(encoding="utf-8")
     assert "## Measured facts" in written
     assert "2 of 2 claims above could not be checked against the measurements" in written
     assert result.sidecar["claims"]["malformed"] == 2
 
 
-def test_the_loss_step_writes_an_honest_list_with_next_steps_as_is(loss_job: Any) -> None:
+def test_the_loss_step_writes_an_honest_list_with_next_steps_as_is(example_loss_job: Any) -> None:
     # Refused by 14f779d: the bullets under "**Next steps**" counted as unreadable claims.
     reply = ("Speeches differ.\n\n## Claims\n\n- speech_words_mean: higher\n"
              "- scenes_per_episode: lower\n\n**Next steps**\n\n- Cut speeches to a line.\n"
              "- Break long scenes in two.\n- Keep the episode length.\n")
-    result = _loss_step(loss_job, reply, "refuse")
-    written = loss_job.report_path.read_text(encoding="utf-8")
+    result = _loss_step(example_loss_job, reply, "refuse")
+    written = example_loss_job.report_path.read_text(encoding="utf-8")
     assert "## Measured facts" not in written and "Keep the episode length." in written
     assert result.sidecar["claims"]["malformed"] == 0
     assert result.sidecar["claims"]["confirmed"] == 2

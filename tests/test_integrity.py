@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from skilltrain.daemon.core import config, dataset
+from skilltrain.daemon.core import config
 from skilltrain.daemon.core.errors import RefusedError
 from skilltrain.daemon.core.templates import PromptTemplates
 from skilltrain.daemon.guard import leakguard
@@ -37,14 +37,8 @@ def dialogue_lines(text: str, count: int) -> list[str]:
 
 
 @pytest.fixture
-def job(tmp_path: Path) -> loss.LossJob:
-    scripts = tmp_path / "runs" / "r1" / "epoch_00" / "step_00" / "example" / "scripts"
-    scripts.mkdir(parents=True)
-    for n in (1, 2, 3):
-        shutil.copy(EXAMPLE / "model_draft" / f"ep{n:02d}.txt", scripts)
-    report = tmp_path / "runs" / "r1" / "loss" / "epoch_00" / "step_00" / "example_ep01-03.md"
-    return loss.LossJob(work=dataset.load_work(EXAMPLE), scripts_dir=scripts,
-                        report_path=report, first=1, last=3)
+def job(example_loss_job: loss.LossJob) -> loss.LossJob:
+    return example_loss_job
 
 
 def run(job: loss.LossJob, server: LLMServer, on_leak: str) -> loss.LossResult:

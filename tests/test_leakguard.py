@@ -721,10 +721,22 @@ MARKUP_DISGUISES = ["backtick inside", "star inside", "bold inside", "underscore
                     "Markdown escape inside"]
 
 
-@pytest.mark.parametrize("disguise", MARKUP_DISGUISES)
-def test_markup_inside_words_does_not_split_them(disguise: str) -> None:
+INVISIBLE_AND_LATIN_DISGUISES = [
+    "Mongolian free variation selector inside", "variation selector 17 inside",
+    "combining grapheme joiner inside", "Hangul filler between",
+    "halfwidth Hangul filler between", "small capitals", "Latin alpha and script g",
+    "Latin letters with hooks"]
+
+
+@pytest.mark.parametrize("disguise", MARKUP_DISGUISES + INVISIBLE_AND_LATIN_DISGUISES)
+def test_markup_invisible_characters_and_letter_variants_do_not_hide_a_quote(
+        disguise: str) -> None:
     # Issue 34: grab`bed, gr*abbed, Wouldn`t are one word to a reader; a guard
-    # that split them there passed 14-word lines of the key.
+    # that split them there passed 14-word lines of the key. A later review got
+    # lines past the guard, the log seal and the audit with characters Unicode
+    # shows as nothing or as a blank (Default_Ignorable_Code_Point) that are not
+    # format characters, and Latin letters NFKC leaves alone (small capitals,
+    # alpha, letters with hooks).
     from tests.corpus import adversarial
 
     key = adversarial.key()
@@ -735,32 +747,7 @@ def test_markup_inside_words_does_not_split_them(disguise: str) -> None:
         assert leaks, line
         # The cut covers the disguised quote: nothing of it is found again.
         assert find_leaks(redact(report, leaks), index) == []
-
-
-INVISIBLE_AND_LATIN_DISGUISES = [
-    "Mongolian free variation selector inside", "variation selector 17 inside",
-    "combining grapheme joiner inside", "Hangul filler between",
-    "halfwidth Hangul filler between", "small capitals", "Latin alpha and script g",
-    "Latin letters with hooks"]
-
-
-@pytest.mark.parametrize("disguise", INVISIBLE_AND_LATIN_DISGUISES)
-def test_invisible_characters_and_latin_letter_variants_do_not_hide_a_quote(
-        disguise: str) -> None:
-    # Characters Unicode shows as nothing or as a blank (Default_Ignorable_Code_Point)
-    # that are not format characters, and Latin letters NFKC leaves alone
-    # (small capitals, alpha, letters with hooks): a review got each past the
-    # guard, the log seal and the audit.
-    from tests.corpus import adversarial
-
-    key = adversarial.key()
-    index = leakguard.index_for(adversarial.WORK, key)
-    for line in adversarial.quotable_lines(key):
-        report = adversarial.report_quoting(adversarial.DISGUISES[disguise](line))
-        leaks = find_leaks(report, index)
-        assert leaks, line
-        assert find_leaks(redact(report, leaks), index) == []
-        assert leakguard.AnswerKeys([index]).leaks(report)
+        assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
 
 
 def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:
