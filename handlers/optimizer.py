@@ -140,7 +140,7 @@ def _relay(stream: IO[str], name: str, emit: Emit, event: str,
            lines: leakguard.LineStream) -> None:
     with stream:
         for line in stream:
-            emit(event, stream=name, line=lines.guard(line.rstrip("\n")))
+            emit(event, stream=name, line=lines.guard(line.rstrip("\n"), name))
 
 
 def _ms(t0: float) -> int:

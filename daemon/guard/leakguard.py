@@ -353,29 +353,38 @@ class LineStream:
     """A program's output as it comes, line by line (the writer's and the
     optimizer's, relayed to the log): a passage wrapped over several lines,
     each under the guard's length, is a passage all the same. Each line is
-    read with the lines before it (WINDOW_CHARS of them), and what of a
-    passage falls in the new line is cut; the lines before it went out as
-    they were, none of them a passage alone."""
+    read with the lines before it (WINDOW_CHARS of them): those of its own
+    stream, and those of every stream as they came (a passage may alternate
+    between stdout and stderr; a progress bar on one must not push the
+    other's lines out of the window). What of a passage falls in the new
+    line is cut; the lines before it went out as they were, none of them a
+    passage alone."""
 
     WINDOW_CHARS = 600
+    _EVERY = ""  # the window of all streams together
 
     def __init__(self) -> None:
-        self._before = ""
-        self._lock = threading.Lock()  # a program's stdout and stderr share one stream
+        self._before: dict[str, str] = {}
+        self._lock = threading.Lock()  # stdout's and stderr's relay threads
 
-    def guard(self, line: str) -> str:
-        """`line` with the part of any passage it ends or continues cut."""
+    def guard(self, line: str, stream: str = "") -> str:
+        """`line` of `stream` with the part of any passage it ends or continues cut."""
         keys = installed()
         if keys is None:
             return line
         with self._lock:
-            text = f"{self._before}\n{line}" if self._before else line
-            self._before = text[-self.WINDOW_CHARS:]
-        start = len(text) - len(line)
+            texts = [self._read_on(name, line) for name in dict.fromkeys((stream, self._EVERY))]
         cuts = [Leak(start=max(leak.start, start) - start, end=leak.end - start,
                      episode=leak.episode, n_words=leak.n_words, line=1)
-                for leak in keys.leaks(text) if leak.end > start]
+                for text, start in texts for leak in keys.leaks(text) if leak.end > start]
         return redact(line, cuts) if cuts else line
+
+    def _read_on(self, name: str, line: str) -> tuple[str, int]:
+        """The window `name` with `line` after it, and where the line starts in it."""
+        before = self._before.get(name, "")
+        text = f"{before}\n{line}" if before else line
+        self._before[name] = text[-self.WINDOW_CHARS:]
+        return text, len(text) - len(line)
 
 
 class KeySource(Protocol):
