@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from skilltrain.daemon.core import textnorm
+from skilltrain.daemon.core.errors import RefusedError
 from skilltrain.daemon.guard import leakguard
 from skilltrain.daemon.infra.state import SetState, StateStore
 from tests.corpus import adversarial
@@ -509,3 +510,19 @@ def test_a_passage_a_program_prints_wrapped_over_lines_is_cut(words_a_line: int,
     assert len(emitted) >= wrapped.count("\n") + 1
     assert not human_runs(" ".join(e for e in emitted if "#" not in e)), emitted
     assert "[verbatim answer-key passage removed]" in " ".join(emitted)
+
+
+def test_a_short_episode_is_read_whole_for_the_copy_check() -> None:
+    # Every 8th run is read for a long episode; a 14-word stub that opens with
+    # the key's title and heading had one sampled run, the key's: "100 % a copy".
+    from skilltrain.daemon.core import dataset
+    from skilltrain.daemon.guard import job_keys
+
+    example = Path(__file__).resolve().parent.parent / "data" / "example"
+    index = leakguard.index_for("example", dataset.load_work(example).read_all_human())
+    opening = (example / "human" / "ep01.txt").read_text(encoding="utf-8").split("\n\n")[:2]
+    stub = "\n\n".join(opening[:1] + ["EXT. CARROW WATER - DAM - DAY", "Marta looks at it."])
+    job_keys.refuse_near_copies(Path("scripts"), {1: stub}, (index,))  # not a copy
+    copy = (example / "human" / "ep01.txt").read_text(encoding="utf-8").replace("dam", "dan", 1)
+    with pytest.raises(RefusedError, match=r"is 9\d% the text of human ep01.txt of work example"):
+        job_keys.refuse_near_copies(Path("scripts"), {1: copy}, (index,))

@@ -19,6 +19,7 @@ from . import leakguard
 # something changed; a closed-book draft of the same story shares ~0.1 %.
 COPY_SHARE = 0.5
 SAMPLE_EVERY = 8
+MIN_SAMPLE = 64  # runs read at least, else all of them
 
 
 def whole_key(files: dict[str, str], human: dict[int, str]) -> dict[int, str]:
@@ -45,8 +46,11 @@ def other_works(own: leakguard.HumanIndex) -> tuple[leakguard.HumanIndex, ...]:
 
 def _sampled_runs(words: list[str], n: int) -> list[int]:
     """Every SAMPLE_EVERY-th n-word run, hashed as the index hashes them: a copy is
-    a copy in any sample of its runs (hashing them all cost ~0.4 ms a job)."""
-    return [hash(tuple(words[i:i + n])) for i in range(0, len(words) - n + 1, SAMPLE_EVERY)]
+    a copy in any sample of its runs (hashing them all cost ~0.4 ms a job). A
+    short episode has every run read: a stub opening with the key's title and
+    first heading is not a copy for its one sampled run."""
+    every = SAMPLE_EVERY if len(words) > MIN_SAMPLE * SAMPLE_EVERY else 1
+    return [hash(tuple(words[i:i + n])) for i in range(0, len(words) - n + 1, every)]
 
 
 def refuse_copies(scripts_dir: Path, model: dict[int, str], human_files: dict[str, str]) -> None:
