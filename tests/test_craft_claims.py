@@ -60,8 +60,8 @@ def test_a_report_without_the_list_is_not_checked(stats: tuple) -> None:
 
 
 def test_a_malformed_list_is_reported_never_a_crash(stats: tuple) -> None:
-    report = ("Text.\n\n## Claims\n\nspeech_words_mean higher\nscenes_per_episode: fewer\n"
-              ": higher\n- speech_words_mean: higher\n")
+    report = ("Text.\n\n## Claims\n\nspeech_words_mean: not higher\n"
+              "scenes_per_episode: similar or lower\n: higher\n- speech_words_mean: higher\n")
     check = check_report(report, *stats)
     assert check.status == "checked" and check.counts["confirmed"] == 1
     assert [n for n, _ in check.malformed] == [5, 6, 7]
@@ -401,7 +401,7 @@ UNREADABLE = {
               3, 3),
     "empty": ("", 1, 1),
     # "speeches run long" names no statistic: prose beside the claims, passed over.
-    "two of three": ("speeches run long\nscenes_per_episode: fewer\n: higher\n"
+    "two of three": ("speeches run long\nscenes_per_episode: higher or lower\n: higher\n"
                      "- speech_words_mean: higher\n", 2, 3),
 }
 
@@ -479,3 +479,120 @@ def test_the_loss_step_writes_an_honest_list_with_next_steps_as_is(example_loss_
     assert "## Measured facts" not in written and "Keep the episode length." in written
     assert result.sidecar["claims"]["malformed"] == 0
     assert result.sidecar["claims"]["confirmed"] == 2
+
+
+# ------------------------- how reviewers write an honest list, a wrong one, a label (review 2)
+
+# Honest lists of the example (speeches longer, scenes fewer, episodes similar)
+# that the parser before this change flagged, or refused in refuse mode.
+HONEST_AS_WRITTEN = {
+    # 1a: a prose bullet naming a statistic, with no separator and direction, is prose.
+    "next steps naming statistics": (
+        "- speech_words_mean: higher\n- scenes_per_episode: lower\n\n**Next steps**\n"
+        "- Bring speech_words_mean down by cutting speeches.\n"
+        "- Raise scenes_per_episode: break long scenes.\n"
+        "- Keep words_per_episode where it is.\n"),
+    # 1b: a parenthesis on the name side, the statistic anywhere in the name.
+    "numbers in a parenthesis": (
+        "- `speech_words_mean` (12.1 vs 8.3): higher\n- `scenes_per_episode` (5 vs 9): lower\n"
+        "- `words_per_episode` (700 vs 690): similar\n"),
+    "a label in a parenthesis": (
+        "- speech_words_mean (words per speech): higher\n"
+        "- scenes_per_episode (scenes per episode): lower\n"
+        "- words_per_episode (episode length): similar\n"),
+    "the model's statistic is": (
+        "- The model's speech_words_mean is higher\n- The model's scenes_per_episode is lower\n"
+        "- words_per_episode: similar\n"),
+    # 1c: the prompt's own words for a direction.
+    "longer, fewer, about the same": (
+        "- speech_words_mean: longer\n- scenes_per_episode: fewer\n"
+        "- words_per_episode: about the same\n"),
+    "more, shorter, the same, equal": (
+        "- speech_words_mean: more\n- scenes_per_episode: shorter\n"
+        "- words_per_episode: the same\n- scene_words_cv: equal\n"),
+    # 1d: the human's side after the direction, or as a label before it.
+    "lower for the human": (
+        "- speech_words_mean: lower for the human\n"
+        "- scenes_per_episode: higher in the original\n- words_per_episode: similar\n"),
+    "human: lower": (
+        "- speech_words_mean: human: lower\n- scenes_per_episode: original: higher\n"
+        "- words_per_episode: similar\n"),
+    "the human's statistic is": (
+        "- The human's speech_words_mean is lower\n- scenes_per_episode: higher for the human, "
+        "lower for the model\n- words_per_episode: similar\n"),
+    # 3: a label without its note or its part after a comma.
+    "short labels": (
+        "- Words per speech: higher\n- Scene length: higher\n- Speaking characters: lower\n"
+        "- Episode length: similar\n"),
+}
+
+
+@pytest.mark.parametrize("body", HONEST_AS_WRITTEN.values(), ids=HONEST_AS_WRITTEN.keys())
+def test_an_honest_list_as_reviewers_write_it_is_read_and_confirmed(
+        stats: tuple, body: str) -> None:
+    claims = body.split("**Next steps**")[0].count("\n- ") + body.startswith("- ")
+    check = check_report(f"Prose.\n\n## Claims\n\n{body}\n## Afterword\n\nMore.\n", *stats)
+    assert check.malformed == () and check.counts["not_checkable"] == 0
+    assert check.counts["confirmed"] == claims and check.contradicted == ()
+    assert not check.too_contradicted(craft_claims.REFUSE_SHARE)
+
+
+@pytest.mark.parametrize("value", ["higher than in the original", "higher than the human",
+                                   "higher for the model, lower for the human",
+                                   "not lower for the model, but higher"])
+def test_the_human_after_a_direction_inverts_it_only_as_its_subject(value: str) -> None:
+    (claim,) = read_claims(f"## Claims\n- speech_words_mean: {value}\n").claims
+    assert claim.direction == "higher"
+
+
+def test_a_synonym_names_a_direction_only_for_a_statistic_of_the_table() -> None:
+    # "Its scenes are fewer" is prose that tries to be a claim, not a claim about
+    # a statistic called "its scenes": a list of such lines stays unreadable.
+    claims = read_claims("## Claims\nIts scenes are fewer.\nplot_quality: higher\n")
+    assert [(c.statistic, c.direction) for c in claims.claims] == [("plot_quality", "higher")]
+    assert [n for n, _ in claims.malformed] == [2]
+
+
+HEADINGS = {
+    "with a note": "## Claims (model vs. human)",
+    "numbered": "## 5. Claims",
+    "qualified": "## Measurable claims",
+    "bold line": "**Claims**",
+    "bold line with a colon": "**Claims:**",
+}
+
+
+@pytest.mark.parametrize("heading", HEADINGS.values(), ids=HEADINGS.keys())
+def test_a_wrong_list_under_any_claims_heading_is_contradicted(
+        stats: tuple, heading: str) -> None:
+    body = "".join(f"- {s}: {d}\n" for s, d in _wrong(stats))
+    check = check_report(f"Report.\n\n{heading}\n\n{body}\n## Afterword\n\n- dialogue_share: "
+                         "lower\n", *stats)
+    assert check.status == "checked" and check.counts["contradicted"] >= 10
+    assert len(check.verdicts) == len(_wrong(stats))  # the Afterword is not read
+    assert check.too_contradicted(craft_claims.REFUSE_SHARE)
+
+
+def test_a_bold_claims_line_ends_at_the_next_bold_line_and_is_prose_in_a_section() -> None:
+    report = ("**Claims**\n- speech_words_mean: higher\n**Next steps**\n"
+              "- dialogue_share: lower\n\n## Claims\n- scenes_per_episode: lower\n"
+              "**Claims**\n- words_per_episode: similar\n")
+    assert [c.statistic for c in read_claims(report).claims] == [
+        "speech_words_mean", "scenes_per_episode", "words_per_episode"]
+    assert not read_claims("## Claims about pacing\n- speech_words_mean: higher\n").found
+
+
+NEAR_NAMES = {  # a shortened label -> its statistic
+    "Words per speech": "speech_words_mean",
+    "Scene length": "scene_words_mean",
+    "Scene length spread": "scene_words_cv",
+    "Episode length": "words_per_episode",
+    "Action paragraph": "action_block_words_mean",
+    "Longest speech": "longest_speech_words",
+}
+
+
+@pytest.mark.parametrize(("name", "key"), NEAR_NAMES.items(), ids=NEAR_NAMES.keys())
+def test_a_label_is_read_without_its_note_or_its_part_after_a_comma(name: str, key: str) -> None:
+    (claim,) = read_claims(f"## Claims\n- {name}: lower\n").claims
+    assert claim.statistic == key
