@@ -235,9 +235,9 @@ class HumanIndex:
     long_runs: frozenset[int]  # every long_n-shingle of the lines
     long_seeds: frozenset[int]  # those with a word that is not stock: they start a leak
     words: frozenset[int]  # hash of every word: only runs of these can match
-    # sha256 of each episode's text: a model episode with one of these is a copy
-    # of the key (another work's too: handlers/loss.py refuses it unsent).
-    episode_digests: frozenset[str] = frozenset()
+    # sha256 of each episode's text: two indexes with the same set are one key
+    # under two names (job_keys.other_works reads it once).
+    episode_digests: frozenset[str]
 
     @classmethod
     def build(

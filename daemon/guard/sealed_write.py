@@ -73,22 +73,21 @@ class Seal:
     others: tuple[HumanIndex, ...] = ()
     _clean: list[str] = field(default_factory=list, repr=False)
 
+    @property
+    def keys(self) -> tuple[HumanIndex, ...]:
+        """The work's key first, then the others'."""
+        return (self.index, *self.others)
+
     def find(self, text: str) -> list[leakguard.Leak]:
-        """The guard's reading of `text` (leakguard.find_leaks); clean: remembered."""
-        found = leakguard.find_leaks(text, self.index, allow_text=self.allow_text)
-        if self.others:
-            found = sorted(found + self._of_others(text), key=lambda k: k.start)
+        """The guard's reading of `text` (leakguard.find_leaks, against every key,
+        the text read once); clean: remembered."""
+        found = leakguard.find_leaks_of_any(text, self.keys, allow_text=self.allow_text)
         if not found:
             self._clean.append(text)
         return found
 
-    def _of_others(self, text: str, allow: str | tuple[str, ...] | None = None
-                   ) -> list[leakguard.Leak]:
-        return leakguard.find_leaks_of_any(
-            text, self.others, allow_text=self.allow_text if allow is None else allow)
-
     def leaks(self, text: str) -> int:
-        """Passages of the key in `text` as it will be written."""
+        """Passages of any key in `text` as it will be written."""
         if text in self._clean:
             return 0
         base = max((c for c in self._clean if text.startswith(c)), key=len, default="")
@@ -97,50 +96,34 @@ class Seal:
             if added.isspace():  # a final newline: no word, nothing after to join
                 return 0
             text = _edges(base, self.index.long_n)[1] + added
-        return (len(leakguard.find_leaks(text, self.index, allow_text=self.allow_text))
-                + len(self._of_others(text)))
+        return len(leakguard.find_leaks_of_any(text, self.keys, allow_text=self.allow_text))
 
     def archive_leaks(self, archive: Archive) -> bool:
         """Does the archive hold key text outside the model's episodes?"""
         if archive.text in self._clean:
             return False
-        found = self._archive_leaks(archive) or self._archive_leaks_of_others(archive)
+        found = any(self._archive_leaks(archive, index) for index in self.keys)
         if not found:
             self._clean.append(archive.text)
         return found
 
-    def _archive_leaks_of_others(self, archive: Archive) -> bool:
-        """The other works' keys in the archive: its own text (the template's,
-        the facts) and across each seam with the model's episodes; the episodes
-        themselves are allowed text (a copy of another work's key was refused
-        before the call)."""
-        if not self.others:
-            return False
+    def _archive_leaks(self, archive: Archive, index: HumanIndex) -> bool:
+        """One key's text in the archive: its own text (the template's, the facts)
+        and across each seam with the model's episodes, which are allowed."""
         pieces = archive.skeleton.split(archive.slot)
         if len(pieces) == 1 or archive.block.join(pieces) != archive.text:
-            return bool(self._of_others(archive.text, allow=archive.block))
-        head, tail = _edges(archive.block, self.index.long_n)
-        return any(self._of_others((tail if k > 0 else "") + piece
-                                   + (head if k < len(pieces) - 1 else ""),
-                                   allow=(tail if k > 0 else "", head if k < len(pieces) - 1
-                                          else ""))
-                   for k, piece in enumerate(pieces))
-
-    def _archive_leaks(self, archive: Archive) -> bool:
-        pieces = archive.skeleton.split(archive.slot)
-        if len(pieces) == 1 or archive.block.join(pieces) != archive.text:
-            return bool(leakguard.find_leaks(archive.text, self.index,
+            return bool(leakguard.find_leaks(archive.text, index,
                                              allow_text=archive.block))
-        head, tail = _edges(archive.block, self.index.long_n)
+        head, tail = _edges(archive.block, index.long_n)
         for k, piece in enumerate(pieces):
             before, after = (tail if k > 0 else ""), (head if k < len(pieces) - 1 else "")
-            if _clean_pieces.holds(self.index, piece):
+            if _clean_pieces.holds(index, piece):
                 # Clean alone (the template's text before the model's episodes is
                 # the same for every step of a range): only runs across a seam
                 # are new, and each lies in the piece's edge and the block's.
-                first, last = _edges(piece, self.index.long_n)
+                first, last = _edges(piece, index.long_n)
                 seams = [(before + first, (before,)), (last + after, (after,))]
-                if any(leakguard.find_leaks(text, self.index, allow_text=allow)
+                if any(leakguard.find_leaks(text, index, allow_text=allow)
                        for text, allow in seams if allow[0]):
                     return True
                 continue
@@ -149,12 +132,12 @@ class Seal:
             # in an edge is not in this text either. The whole block's shingles,
             # built whenever the model's first scene heading was the key's,
             # cost ~0.6 ms a job.
-            if leakguard.find_leaks(before + piece + after, self.index,
+            if leakguard.find_leaks(before + piece + after, index,
                                     allow_text=(before, after)):
                 return True
-            if _clean_pieces.seen_again(self.index, piece) and not leakguard.find_leaks(
-                    piece, self.index):
-                _clean_pieces.add(self.index, piece)
+            if _clean_pieces.seen_again(index, piece) and not leakguard.find_leaks(
+                    piece, index):
+                _clean_pieces.add(index, piece)
         return False
 
 
