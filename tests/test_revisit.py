@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -93,3 +93,28 @@ def test_a_burst_of_rescans_is_one(scheduler: BackgroundScheduler, tmp_path: Pat
     for _ in range(5):
         r.scan_soon()
     assert [job.id for job in scheduler.get_jobs()] == ["rescan"]
+
+
+def test_a_look_that_ran_as_the_scheduler_stopped_is_not_an_error() -> None:
+    # shutdown() marks the scheduler stopped without its job stores' lock; its
+    # thread, removing a date job it just ran, then looked among the pending
+    # jobs and died on JobLookupError ("rescan", a CI run of test_loop).
+    from apscheduler.jobstores.base import JobLookupError
+
+    from skilltrain.daemon.service.revisit import Scheduler
+
+    for cls, raises in ((BackgroundScheduler, True), (Scheduler, False)):
+        s = cls(timezone=UTC)
+        s.start(paused=True)
+        s.add_job(lambda: None, "date", id="rescan", run_date=datetime.now(UTC))
+        s.shutdown(wait=False)
+        if raises:
+            with pytest.raises(JobLookupError):
+                s.remove_job("rescan")  # what the scheduler's thread does at that moment
+        else:
+            s.remove_job("rescan")
+    running = Scheduler(timezone=UTC)
+    running.start(paused=True)
+    with pytest.raises(JobLookupError):  # running, it still says so of a job never added
+        running.remove_job("rescan")
+    running.shutdown(wait=False)

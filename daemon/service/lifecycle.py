@@ -40,8 +40,6 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
-from apscheduler.schedulers.background import BackgroundScheduler
-
 from ...handlers import loss, optimizer, writer
 from ..core import atomic, config, layout, notify
 from ..core.errors import ConfigError, ExitCode
@@ -61,7 +59,7 @@ from .outcomes import Outcomes
 from .owner import SetOwner
 from .pipeline import Pipeline
 from .reconcile import Reconciler
-from .revisit import Revisits
+from .revisit import Revisits, Scheduler
 from .settle import CLOCK_SKEW_TOLERANCE_S, SettleClock
 from .steps import Steps
 from .watcher import Watcher
@@ -96,7 +94,7 @@ class Daemon:
         self.catching_up = not once  # until the start-up's first scan has looked at every set
         self._run_lock = RunsLock(self.runs / layout.STATE_DIR)
         self.abandoned = 0
-        self.scheduler = BackgroundScheduler(
+        self.scheduler = Scheduler(
             executors={"default": {"type": "threadpool", "max_workers": 2}},
             job_defaults={"misfire_grace_time": None, "coalesce": True, "max_instances": 4},
             timezone=UTC)
