@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from tests.daemon_helpers import build_workspace, run_once_in_process
@@ -83,3 +84,82 @@ def test_two_looks_at_once_retire_each_file_once_and_a_second_retirement_keeps_t
     retired = retire.retired_dir(runs, step)
     assert (retired / "alpha_ep04-06.md").read_text() == "first"
     assert (retired / "alpha_ep04-06.md.2").read_text() == "second"
+
+
+def test_a_report_whose_set_left_its_step_during_the_call_never_lands(tmp_path: Path) -> None:
+    """run.toml drops a work while its set's call is in flight, and the step is
+    reported and optimized without it meanwhile. The reply that comes back
+    afterwards must not land in the folder the optimizer was given (nor
+    reopen the step for a second run): it is discarded and the set forgotten.
+    Before, it was written, reopened the step, and was retired a moment later."""
+    import threading
+
+    from tests.daemon_helpers import InProcessDaemon, wait_until
+    from tests.llm_server import Reply, Request, default_responder
+
+    in_call, release = threading.Event(), threading.Event()
+
+    def answer(request: Request) -> Reply:
+        if "beta" in json.dumps(request.messages):
+            in_call.set()
+            release.wait(30)
+        return default_responder(request)
+
+    record = tmp_path / "optimizer.jsonl"
+    optimizer = (f'[optimizer]\ncommand = ["{sys.executable}", "{RECORDER}", "{record}", "0", '
+                 '"-", "{reports_dir}"]\n')
+    with LLMServer(default=answer) as server:
+        ws = build_workspace(tmp_path / "ws", server.url, works={"alpha": 6, "beta": 3},
+                             settle_s=0.0, llm_timeout_s=30.0,
+                             extra="[integrity]\naudit_on_start = false\n" + optimizer)
+        ws.write_step("r1", 0, 0, success=True)
+        with InProcessDaemon(ws) as d:
+            assert in_call.wait(30), "beta's call never came"
+            wait_until(lambda: len(ws.events("loss.completed")) == 2, 30,
+                       message="alpha's two reports")
+            (ws.runs / "r1" / "run.toml").write_text('works = ["alpha"]\n', encoding="utf-8")
+            d.daemon.reconcile.scan()  # the step now has alpha's sets alone: reported
+            wait_until(lambda: record.exists() and ws.events("optimizer.finished"), 30,
+                       message="the optimizer's run")
+            release.set()
+            wait_until(lambda: ws.events("loss.discarded") or len(ws.events(
+                "loss.completed")) > 2, 30, message="beta's outcome")
+            wait_until(lambda: not any("beta" in k for k in ws.state()["sets"])
+                       or ws.events("step.retired"), 10, message="beta's state")
+    reports = ws.runs / "r1" / "loss" / "epoch_00" / "step_00"
+    names = [json.loads(line)["dirs"][str(reports)] for line in record.read_text().splitlines()]
+    assert len(names) == 1 and not [n for n in names[0] if n.startswith("beta")]
+    assert not any(p.name.startswith("beta") for p in ws.runs.rglob("*") if p.is_file())
+    (discarded,) = ws.events("loss.discarded")
+    assert "no longer a set of r1" in discarded["reason"]
+    assert not ws.events("step.retired")
+
+
+def test_a_retry_of_a_set_that_left_its_step_is_not_sent(tmp_path: Path) -> None:
+    """A set's retry was scheduled, then run.toml dropped its work: the look that
+    falls due forgets the set instead of paying for a report of it."""
+    from tests.daemon_helpers import InProcessDaemon, wait_until
+    from tests.llm_server import Reply, Request, default_responder
+
+    beta_calls: list[float] = []
+
+    def answer(request: Request) -> Reply:
+        if "beta" in json.dumps(request.messages):
+            beta_calls.append(time.monotonic())
+            return Reply.status(400)  # not retried within the job: one call an attempt
+        return default_responder(request)
+
+    with LLMServer(default=answer) as server:
+        ws = build_workspace(tmp_path / "ws", server.url, works={"alpha": 3, "beta": 3},
+                             settle_s=0.0, retry_backoff_s=1.0,
+                             extra="[integrity]\naudit_on_start = false\n")
+        ws.write_step("r1", 0, 0, success=True)
+        with InProcessDaemon(ws):
+            wait_until(lambda: ws.events("loss.failed", work="beta"), 30,
+                       message="beta's failed attempt")
+            (ws.runs / "r1" / "run.toml").write_text('works = ["alpha"]\n', encoding="utf-8")
+            time.sleep(4.0)  # the retry (backoff 1 s, +- jitter) falls due meanwhile
+            calls = len(beta_calls)
+            state = ws.state()["sets"]
+    assert calls == 1, f"beta was sent {calls} times"
+    assert not any("beta" in k for k in state)

@@ -64,6 +64,13 @@ class InputsChangedError(RefusedError):
     is not written, and the set waits to settle and is made again."""
 
 
+class LeftStepError(InputsChangedError):
+    """Raised when a set is no longer one its step has (work.toml's ranges,
+    `episodes_per_report` or run.toml's works changed while its report was
+    being made): its step's optimizer must not read the report, so it is not
+    written, and the set is forgotten."""
+
+
 class LLMError(SkilltrainError):
     """Raised when the LLM call failed for good (retries exhausted or not retryable).
 

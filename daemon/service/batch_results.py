@@ -323,7 +323,7 @@ class Results:
             extra: dict[str, Any] = {"mode": "batch", "batch_id": rec.batch_id}
             if note:
                 extra["cost_note"] = note
-            return self.pipeline.finish(prepared, completion, extra)
+            return self.pipeline.finish(ticket.key, prepared, completion, extra)
         return finish
 
     def _finish_error(self, item: BatchItem, ticket: Ticket, answer: ItemResult | None,

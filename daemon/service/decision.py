@@ -36,12 +36,14 @@ class Ticket:
 
 @dataclass(frozen=True)
 class Decision:
-    """The state to write (None: as it is) with its fields; a look; a report to send."""
+    """The state to write (None: as it is) with its fields; a look; a report to
+    send; or `forget`: the set is no longer one its step has (no state kept)."""
 
     state: SetState | None = None
     changes: Mapping[str, Any] = field(default_factory=dict)
     revisit: Revisit | None = None
     send: Ticket | None = None
+    forget: bool = False
 
     @classmethod
     def write(cls, state: SetState, *, revisit: Revisit | None = None,
@@ -54,6 +56,7 @@ class Decision:
 
 
 NOTHING = Decision()
+FORGET = Decision(forget=True)
 
 
 class Outcome(Future[Decision]):

@@ -119,6 +119,15 @@ class Discovery:
             for first, last in work.ranges(self.cfg.loss.episodes_per_report):
                 yield layout.SetKey(step.run, step.epoch, step.step, work.name, first, last)
 
+    def expects(self, key: layout.SetKey) -> bool:
+        """Is `key` one of the sets its step has now (sets_of_step, for one work)?"""
+        if self._quotes_the_key(key.run):
+            return False
+        work = self.works.get(key.work)
+        if work is None or all(w is not work for w in self.expected_works(key.run)):
+            return False
+        return (key.first, key.last) in work.ranges(self.cfg.loss.episodes_per_report)
+
     def run_settings(self, run: str) -> run_toml.RunToml:
         """runs/<run>/run.toml, each of its problems named once (and shown by status).
 

@@ -267,7 +267,7 @@ class Jobs:
                 return await self._settle(outcome, self.pipeline.decide, ticket, None, e)
             # Checks, guard, re-read, then the atomic write: in the pool.
             await self._settle(outcome, self._finish_and_decide, ticket,
-                               lambda: self.pipeline.finish(prepared, completion))
+                               lambda: self.pipeline.finish(ticket.key, prepared, completion))
         finally:
             slot.give_back()
             self.in_call -= 1

@@ -112,7 +112,7 @@ class Daemon:
                          once=once, clock=self.clock)
         # A set's way to a report, and its two transports: a live call, a provider batch.
         self.outcomes = Outcomes(cfg, self.state, self.emit, clock=self.clock, steps=self.steps)
-        pipeline = Pipeline(cfg, self.templates, self.outcomes)
+        pipeline = Pipeline(cfg, self.templates, self.outcomes, self.steps.folders)
         self.jobs = Jobs(cfg, self.state, self.emit, stopping=self.stop_event,
                          metrics=self.metrics, pipeline=pipeline, budget=self.budget,
                          llm_loop=llm_loop.shared(), on_unblocked=self.revisits.scan_soon,

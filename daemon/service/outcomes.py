@@ -2,6 +2,7 @@
 
     reply written  -> loss.completed, DONE (the step may be reported; its cost.total then)
     inputs changed -> loss.discarded, SETTLING (made anew once settled)
+    set left step  -> loss.discarded, forgotten (its ranges or works changed meanwhile)
     bad reply      -> loss.refused / loss.contradicted, FAILED, retried after backoff
     bad input      -> loss.refused, REFUSED (until its files change)
     call failed    -> loss.failed, FAILED, retried after backoff up to [loss] max_attempts;
@@ -25,11 +26,12 @@ from ..core.errors import (
     ConfigError,
     ContradictedReportError,
     InputsChangedError,
+    LeftStepError,
     LLMError,
     RefusedError,
 )
 from ..infra.state import SetState, StateStore
-from .decision import NOTHING, Decision
+from .decision import FORGET, NOTHING, Decision
 from .observe import Fingerprint
 from .revisit import Revisit, Why
 from .steps import Steps
@@ -62,11 +64,7 @@ class Outcomes:
         try:
             raise error
         except InputsChangedError as e:
-            # Not a report of what is on disk now: nothing written, the step
-            # not counted; the set settles again and is made anew.
-            self.emit("loss.discarded", level="warning", reason=str(e))
-            return Decision.write(SetState.SETTLING, reason=str(e), revisit=Revisit(
-                key, self.clock() + self.cfg.loss.settle_s, Why.RESETTLE))
+            return self._discarded(key, e)
         except ContradictedReportError as e:  # a BadOutputError: caught first
             # Whole but confidently wrong: bogus signal, retried like a failed call.
             return self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
@@ -93,6 +91,15 @@ class Outcomes:
                              f"cannot write the report{where}: {e.strerror or type(e).__name__}")
         except Abandoned:
             return Decision.write(SetState.QUEUED, reason="abandoned at shutdown")
+
+    def _discarded(self, key: layout.SetKey, error: InputsChangedError) -> Decision:
+        """Not a report of what is on disk now: nothing written, the step not counted."""
+        self.emit("loss.discarded", level="warning", reason=str(error))
+        if isinstance(error, LeftStepError):
+            return FORGET  # its step's optimizer must not read it; the set is gone
+        # The set settles again and is made anew.
+        return Decision.write(SetState.SETTLING, reason=str(error), revisit=Revisit(
+            key, self.clock() + self.cfg.loss.settle_s, Why.RESETTLE))
 
     def _completed(self, key: layout.SetKey, fp: Fingerprint,
                    result: loss.LossResult) -> Decision:

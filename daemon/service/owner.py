@@ -170,5 +170,7 @@ class SetOwner:
         self.revisits.ask(decision.revisit, Revisit(key) if again else None)
 
     def _write(self, key: layout.SetKey, decision: Decision) -> None:
-        if decision.state is not None:
+        if decision.forget:
+            self.state.forget(key.id)
+        elif decision.state is not None:
             self.state.update(key.id, decision.state, **decision.changes)

@@ -25,6 +25,7 @@ from ..core.templates import PromptTemplates
 from ..infra import llm
 from .decision import Decision, Ticket
 from .outcomes import Abandoned, Outcomes
+from .retire import StepFolders
 
 # What a set's way to a report may end in, short of a bug: each has its outcome.
 EXPECTED = (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError, OSError,
@@ -35,11 +36,12 @@ class Pipeline:
     """prepare, finish and decide: the steps every transport shares."""
 
     def __init__(self, cfg: config.Config, templates: PromptTemplates,
-                 outcomes: Outcomes) -> None:
+                 outcomes: Outcomes, folders: StepFolders) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.templates = templates
         self.outcomes = outcomes
+        self.folders = folders  # where a report may land, and when
 
     def prepare(self, key: layout.SetKey, work: dataset.Work,
                 stat_sigs: str | None) -> loss.Prepared:
@@ -49,12 +51,16 @@ class Pipeline:
         return loss.prepare(job, settings=self.cfg.llm, templates=self.templates,
                             confine_to=self.runs, answer_key=self.cfg.paths.data)
 
-    def finish(self, prepared: loss.Prepared, completion: llm.Completion,
+    def finish(self, key: layout.SetKey, prepared: loss.Prepared, completion: llm.Completion,
                sidecar_extra: dict[str, Any] | None = None) -> loss.LossResult:
+        """The reply checked and written, if the set is still one its step has
+        (LeftStepError if not: its step's optimizer may be reading the folder)."""
         integrity = self.cfg.integrity
-        return loss.finish(prepared, completion, on_leak=integrity.on_leak,
-                           on_contradiction=integrity.on_contradiction,
-                           refuse_share=integrity.refuse_share, sidecar_extra=sidecar_extra)
+        with self.folders.landing(key):
+            return loss.finish(prepared, completion, on_leak=integrity.on_leak,
+                               on_contradiction=integrity.on_contradiction,
+                               refuse_share=integrity.refuse_share,
+                               sidecar_extra=sidecar_extra)
 
     def decide(self, ticket: Ticket, result: loss.LossResult | None,
                error: BaseException | None) -> Decision:

@@ -40,11 +40,11 @@ from ..core.templates import PromptTemplates
 from ..infra import log
 from ..infra.state import SetState, StateStore
 from .budget import Budget
-from .decision import NOTHING, Decision, Ticket
+from .decision import FORGET, NOTHING, Decision, Ticket
 from .discovery import Discovery
 from .loop import Loop
 from .observe import Fingerprint, HumanDigests, Observation, observe, report_is_current
-from .owner import SetOwner
+from .owner import Evaluate, SetOwner
 from .revisit import Revisit, Revisits, Why
 from .settle import SettleClock, iso
 from .steps import Steps
@@ -197,13 +197,19 @@ class Reconciler:
 
     def _evaluate_job(self, key: layout.SetKey) -> None:
         """A look that fell due (a Revisit or a hint); then the set's step barrier."""
-        self.look(key)
+        self.look(key, self._evaluate_member)
         self.steps.check(key.step_key)
 
-    def look(self, key: layout.SetKey) -> None:
+    def _evaluate_member(self, key: layout.SetKey) -> Decision:
+        """A look asked for a while ago: the set may have left its step since (its
+        ranges or works changed); then it is forgotten, never sent. A scan's
+        looks need no such check: it lists the sets the steps have now."""
+        return self.evaluate(key) if self.discovery.expects(key) else FORGET
+
+    def look(self, key: layout.SetKey, evaluate: Evaluate | None = None) -> None:
         """Have the owner evaluate the set (unless it is claimed) and apply the decision."""
         try:
-            self.owner.look(key, self.evaluate)
+            self.owner.look(key, evaluate or self.evaluate)
         except Exception:
             self.log.exception("set.error", **key.log_fields())
 

@@ -13,20 +13,90 @@ kept for a person to read (a second retirement of a set never replaces the
 first), never in a folder the optimizer is given. A set that comes back is
 reported afresh: its report is paid for again (its old one is not moved
 back: bench/RESULTS.md lists it as a follow-up).
+
+A report still in flight when its set leaves the step (a live call, a
+provider batch that answers hours later) must not land after the strays
+were moved: `StepFolders` lets a report land only while its set is one its
+step has, checked under the gate the retirement holds. Reports land side by
+side; a retirement waits for those landing and holds new ones back, and it
+moves what the step's sets are at that moment.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..core import atomic, layout
+from ..core.errors import LeftStepError
 
 RETIRED = ".retired"  # in runs/<run>/loss/
 
 Emit = Callable[..., None]
 _one_at_a_time = threading.Lock()
+
+
+class StepFolders:
+    """The one gate between a report landing in its step's folder and the
+    retirement of the step's strays (a readers-writer lock, retirements first)."""
+
+    def __init__(self, runs: Path, emit: Emit, *,
+                 expects: Callable[[layout.SetKey], bool],
+                 sets_of_step: Callable[[layout.StepKey], Iterable[layout.SetKey]]) -> None:
+        self.runs = runs
+        self.emit = emit
+        self.expects = expects  # is this set one its step has now?
+        self.sets_of_step = sets_of_step
+        self._gate = threading.Condition()
+        self._landing = 0  # reports being checked and written now
+        self._retiring = False
+        self._retirements_waiting = 0
+
+    @contextlib.contextmanager
+    def landing(self, key: layout.SetKey) -> Iterator[None]:
+        """Write the set's report inside this; LeftStepError if the set is not one
+        its step has (then nothing may be written)."""
+        with self._gate:
+            while self._retiring or self._retirements_waiting:
+                self._gate.wait()
+            self._landing += 1
+        try:
+            if not self.expects(key):
+                raise LeftStepError(f"{key.work} ep{key.range_label} is no longer a set of "
+                                    f"{key.run} epoch {key.epoch} step {key.step} (its "
+                                    "ranges or works changed during the call): its report "
+                                    "is not written")
+            yield
+        finally:
+            with self._gate:
+                self._landing -= 1
+                if not self._landing:
+                    self._gate.notify_all()
+
+    def retire(self, step: layout.StepKey, expected: Iterable[layout.SetKey]) -> bool | None:
+        """Move the strays of `step` out, no report landing meanwhile. True: the
+        folder holds `expected`'s reports alone; False: a stray could not be
+        moved (step.retire_failed); None: the step's sets are no longer
+        `expected` (ask again with its sets now)."""
+        with self._gate:
+            self._retirements_waiting += 1
+            try:
+                while self._retiring or self._landing:
+                    self._gate.wait()
+            finally:
+                self._retirements_waiting -= 1
+            self._retiring = True
+        try:
+            wanted = set(expected)
+            if set(self.sets_of_step(step)) != wanted:
+                return None
+            return retire_strays(self.runs, step, wanted, self.emit)
+        finally:
+            with self._gate:
+                self._retiring = False
+                self._gate.notify_all()
 
 
 def retired_dir(runs: Path, step: layout.StepKey) -> Path:

@@ -47,6 +47,9 @@ class Steps:
         self.clock = clock
         self.marker_changed = marker_changed  # the loop waits on it: looks at once
         self.discovery = discovery  # which sets a step is expected to have
+        # A report lands only while its set is one its step has (retire.py).
+        self.folders = retire.StepFolders(self.runs, emit, expects=discovery.expects,
+                                          sets_of_step=discovery.sets_of_step)
         self.backoff = backoff.optimizer(cfg)
         self.failures = 0  # optimizer runs that failed (--once exit code)
         self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
@@ -74,7 +77,7 @@ class Steps:
         just now, its hint not yet looked at): each set is checked on disk once
         more; one whose report is not current holds the step back and is looked at.
         """
-        keys = list(self.discovery.sets_of_step(step)) if keys is None else keys
+        asked, keys = keys, list(self.discovery.sets_of_step(step)) if keys is None else keys
         with self.state.lock:
             recorded = self._to_confirm(step, keys)
         if recorded is None:
@@ -85,8 +88,13 @@ class Steps:
             return  # no template to confirm against: each look at a set says why
         for key in stale:
             self._look(key)
-        if not stale and retire.retire_strays(self.runs, step, keys, self.emit):
+        if stale:
+            return
+        retired = self.folders.retire(step, keys)
+        if retired:
             self._report(step, keys)
+        elif retired is None and asked is not None:
+            self.check(step)  # its sets changed since the caller listed them: its sets now
 
     def _to_confirm(self, step: layout.StepKey, keys: list[layout.SetKey]
                     ) -> dict[str, Fingerprint | None] | None:
@@ -102,7 +110,7 @@ class Steps:
     def _due(self, step: layout.StepKey, rec: StepRecord) -> bool:  # run its optimizer now?
         return (not rec.optimizer_done
                 and (rec.optimizer_attempts < self.cfg.optimizer.max_attempts
-                     or self._job_out_there(step))  # its last attempt, submitted
+                     or _job_out_there(self.cfg, self.runs, step))  # its last attempt, submitted
                 and (rec.optimizer_next_at or 0) <= self.clock()
                 and step.id not in self._pending)
 
@@ -132,20 +140,11 @@ class Steps:
             self.emit("step.reported", run=step.run, epoch=step.epoch, step=step.step,
                       reports_dir=str(step.reports_dir(self.runs)), sets=len(keys),
                       **again, **curve.step_fields(self.runs, step))
-            self._cost_total(step.run)
+            _cost_total(self.state, self.emit, step.run)
         if first_time or no_command:
             self.marker_changed.set()
         if due:
             self._trigger_optimizer(step)
-
-    def _cost_total(self, run: str) -> None:
-        """The run's spend, once per step reported (not per job; and at stop)."""
-        spend = self.state.spend.get(run)
-        if spend is not None:
-            self.emit("cost.total", run=run, tokens_in=spend.tokens_in,
-                      tokens_out=spend.tokens_out, cost_usd=round(spend.cost_usd, 6),
-                      tokens_cached=spend.tokens_cached,
-                      tokens_cache_write=spend.tokens_cache_write)
 
     def reopen(self, key: layout.SetKey) -> None:
         """A new report in a step already reported: the optimizer learnt from the
@@ -176,7 +175,7 @@ class Steps:
             rec = self.state.steps.get(step.id)
             if (rec is None or rec.optimizer_done or step.id in self._pending
                     or rec.optimizer_attempts < self.cfg.optimizer.max_attempts
-                    or self._job_out_there(step)):
+                    or _job_out_there(self.cfg, self.runs, step)):
                 return None
             return rec.optimizer_attempts
 
@@ -310,11 +309,6 @@ class Steps:
         if reopened:
             self.check(step)
 
-    def _job_out_there(self, step: layout.StepKey) -> bool:
-        """An optimizer job an earlier daemon submitted, not known to have ended."""
-        return (self.cfg.optimizer.outlives_daemon
-                and detached.handle_path(self.runs, step, "optimizer").exists())
-
     def _optimize(self, step: layout.StepKey, argv: list[str], emit: Emit
                   ) -> optimizer.OptimizerResult:
         cfg = self.cfg.optimizer
@@ -344,6 +338,21 @@ class Steps:
         if self.cfg.optimizer.outlives_daemon:
             # Only a waiting client to end: its job runs on, the next start waits for it.
             self.kill_optimizer.set()
+
+
+def _cost_total(state: StateStore, emit: Emit, run: str) -> None:
+    """The run's spend, once per step reported (not per job; and at stop)."""
+    spend = state.spend.get(run)
+    if spend is not None:
+        emit("cost.total", run=run, tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
+             cost_usd=round(spend.cost_usd, 6), tokens_cached=spend.tokens_cached,
+             tokens_cache_write=spend.tokens_cache_write)
+
+
+def _job_out_there(cfg: config.Config, runs: Path, step: layout.StepKey) -> bool:
+    """An optimizer job an earlier daemon submitted, not known to have ended."""
+    return (cfg.optimizer.outlives_daemon
+            and detached.handle_path(runs, step, "optimizer").exists())
 
 
 def _all_done(state: StateStore, keys: list[layout.SetKey]) -> bool:
