@@ -372,3 +372,28 @@ def test_help_does_not_import_litellm(argv: list[str]) -> None:
     ]
     assert "skilltrain.daemon.commands.cli" in imported  # the measurement itself works
     assert not [m for m in imported if m.split(".")[0] in ("litellm", "openai", "tiktoken")]
+
+
+def test_loss_refuses_a_copy_of_another_works_key_unsent(
+    tmp_path: Path, llm_server: LLMServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Run alone, the command knew only its own work's key: another work's episode
+    # copied into scripts/ was sent, and archived beside the report.
+    data = tmp_path / "data"
+    shutil.copytree(EXAMPLE, data / "example")
+    other = data / "other" / "human"
+    other.mkdir(parents=True)
+    # Brick & Steel, the Fountain format's public sample: a screenplay of its own.
+    text = (REPO / "tests" / "corpus" / "brick_and_steel.txt").read_text(encoding="utf-8")
+    (other / "ep01.txt").write_text(text, encoding="utf-8")
+    args = _loss_args(tmp_path, _config(tmp_path, llm_server.url))
+    args[args.index(str(EXAMPLE))] = str(data / "example")
+    (tmp_path / "scripts" / "ep02.txt").write_text(text, encoding="utf-8")
+
+    code = _main(args)
+
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert "the text of human ep01.txt of work other" in err, err
+    assert not (tmp_path / "out").exists()
+    assert llm_server.request_count == 0

@@ -8,6 +8,7 @@ from ...handlers import loss
 from ..core import config, dataset
 from ..core.errors import ExitCode, LLMError, RefusedError
 from ..core.templates import PromptTemplates
+from ..guard import leakguard_live
 from ..infra import llm
 from ..reviewer import craft_claims
 
@@ -22,6 +23,9 @@ def main(args: argparse.Namespace) -> int:
     settings = config.with_llm_overrides(cfg.llm, overrides, origin="the command line")
     llm.check_credentials(settings)  # a missing key is exit 2, not five failed attempts
     work = dataset.load_work(args.work)
+    # The other works beside it in data/: a copy of one in the scripts is refused
+    # unsent, a quote of one in the reply redacted, as the daemon does.
+    leakguard_live.install(work.root.parent)
     job = loss.LossJob(work=work, scripts_dir=args.scripts.resolve(),
                        report_path=args.out.resolve(), first=args.first, last=args.last)
     label = f"{work.name} ep{job.first:02d}-{job.last:02d}"

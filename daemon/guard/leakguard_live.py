@@ -84,6 +84,19 @@ class LiveAnswerKeys:
         return True
 
 
+def install(data_root: Path,
+            on_change: Callable[[int, int], None] | None = None) -> LiveAnswerKeys:
+    """Every work under data_root guarded from now on (leakguard.install): log
+    lines and error reasons, and each job's check against the other works'
+    keys (job_keys.other_works). Built now; the first build is no change."""
+    keys = LiveAnswerKeys(data_root)
+    keys.check()
+    if on_change is not None:
+        keys.on_change = on_change
+    leakguard.install(keys)
+    return keys
+
+
 def _signature(data_root: Path) -> tuple[Signature, bool]:
     """What data/'s answer keys look like on disk, and whether a file is too new to trust."""
     entries: list[tuple[str, int, int, int, int]] = []

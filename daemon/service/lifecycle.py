@@ -419,13 +419,11 @@ def _status_line(state: StateStore) -> str:
 
 def _install_answer_keys(data: Path, emit: Callable[..., None]) -> None:
     """Every work's index, for what belongs to no one work: log lines, error
-    reasons. Kept current with data/ (leakguard_live), built now."""
-    from ..guard.leakguard_live import LiveAnswerKeys
+    reasons, other works' keys. Kept current with data/ (leakguard_live)."""
+    from ..guard import leakguard_live
 
-    keys = LiveAnswerKeys(data)
-    keys.check()  # the first build is no change; the next ones are said
-    keys.on_change = lambda works, eps: emit("answer_keys.reloaded", works=works, episodes=eps)
-    leakguard.install(keys)
+    leakguard_live.install(data, lambda works, eps: emit("answer_keys.reloaded", works=works,
+                                                          episodes=eps))
 
 
 def _loss_dirs(runs: Path) -> list[Path]:
