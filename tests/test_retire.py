@@ -163,3 +163,40 @@ def test_a_retry_of_a_set_that_left_its_step_is_not_sent(tmp_path: Path) -> None
             state = ws.state()["sets"]
     assert calls == 1, f"beta was sent {calls} times"
     assert not any("beta" in k for k in state)
+
+
+def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -> None:
+    """x_ep001-003.md parses as set 01-03, and a link named like a loss file was
+    skipped: both stayed in the folder the optimizer reads. The name is moved
+    out; the link is removed (it may point at an answer key), not kept."""
+    import os
+
+    from skilltrain.daemon.core import layout
+    from skilltrain.daemon.service import retire
+
+    runs = tmp_path / "runs"
+    step = layout.StepKey("r1", 0, 0)
+    reports = step.reports_dir(runs)
+    kept = layout.SetKey("r1", 0, 0, "alpha", 1, 3)
+    _loss_files(reports, "alpha_ep01-03", "kept")
+    _loss_files(reports, "alpha_ep001-003", "hand-made")
+    key = tmp_path / "data" / "alpha" / "human" / "ep04.txt"
+    key.parent.mkdir(parents=True)
+    key.write_text("the answer key\n", encoding="utf-8")
+    os.symlink(key, reports / "alpha_ep04-06.md")
+    os.symlink(key, reports / "alpha_ep01-03_prompt.md.tmp")  # not a loss file's name
+    (reports / "alpha_ep01-03_prompt.md").unlink()
+    os.symlink(key, reports / "alpha_ep01-03_prompt.md")  # a wanted set's name, as a link
+    events: list[dict[str, object]] = []
+
+    assert retire.retire_strays(runs, step, [kept],
+                                lambda event, **f: events.append({"event": event, **f}))
+
+    assert sorted(p.name for p in reports.iterdir()) == [
+        "alpha_ep01-03.json", "alpha_ep01-03.md", "alpha_ep01-03_prompt.md.tmp"]
+    retired = retire.retired_dir(runs, step)
+    assert sorted(p.name for p in retired.iterdir()) == [
+        "alpha_ep001-003.json", "alpha_ep001-003.md", "alpha_ep001-003_prompt.md"]
+    assert not [p for p in retired.iterdir() if p.is_symlink()]
+    (line,) = events
+    assert line["files"] == 3 and line["links_removed"] == 2

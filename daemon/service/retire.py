@@ -10,7 +10,9 @@ file of another set is moved out of the folder, to
     runs/<run>/loss/.retired/epoch_EE/step_SS/<its name>[.2, .3, ...]
 
 kept for a person to read (a second retirement of a set never replaces the
-first), never in a folder the optimizer is given. A set that comes back is
+first), never in a folder the optimizer is given. A file named like a set's
+but not written by the daemon (x_ep001-003.md beside x_ep01-03.md) goes the
+same way; a link named like one is removed (it may point at an answer key). A set that comes back is
 reported afresh: its report is paid for again (its old one is not moved
 back: bench/RESULTS.md lists it as a follow-up).
 
@@ -122,22 +124,34 @@ def retire_strays(runs: Path, step: layout.StepKey, expected: Iterable[layout.Se
 def _retire(runs: Path, step: layout.StepKey, wanted: set[str], emit: Emit) -> None:
     reports = step.reports_dir(runs)
     try:
-        entries = [e for e in os.scandir(reports) if e.is_file(follow_symlinks=False)]
+        entries = [e for e in os.scandir(reports) if not e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return
     strays = {e.name: key for e in entries
               if (key := layout.parse_loss_file(runs, Path(e.path))) is not None
-              and key.id not in wanted}
+              and (key.id not in wanted or e.is_symlink() or not _ours(e.name, key))}
     if not strays:
         return
+    links = {e.name for e in entries if e.name in strays and e.is_symlink()}
     target = retired_dir(runs, step)
     target.mkdir(parents=True, exist_ok=True)
-    for name in strays:  # never onto an older retired copy of the same set
-        os.replace(reports / name, _free_name(target, name))
+    for name in strays:
+        if name in links:  # not kept under runs/: it may point at an answer key
+            os.unlink(reports / name)
+        else:  # never onto an older retired copy of the same set
+            os.replace(reports / name, _free_name(target, name))
     atomic.fsync_dir(reports)  # gone from the folder before the optimizer is started
     emit("step.retired", level="warning", run=step.run, epoch=step.epoch, step=step.step,
          sets=sorted({f"{key.work}_ep{key.range_label}" for key in strays.values()}),
-         files=len(strays), to=str(target))
+         files=len(strays) - len(links), links_removed=len(links), to=str(target))
+
+
+def _ours(name: str, key: layout.SetKey) -> bool:
+    """Is `name` one the daemon writes for `key`? x_ep001-003.md parses as set
+    01-03 too, but only a hand (or another program) made it: the optimizer
+    would read it beside the set's own report."""
+    return name in {f"{key.work}_ep{key.range_label}{suffix}"
+                    for suffix in (".md", "_prompt.md", ".json")}
 
 
 def _free_name(folder: Path, name: str) -> Path:
