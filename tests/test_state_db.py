@@ -307,3 +307,32 @@ def test_a_set_first_recorded_in_a_state_with_nothing_else_to_say_is_kept(
     again.load()
     assert (r := again.get("r1/epoch_01/step_01/alpha/01-03")) and r.state == SetState.DONE
     again.close()
+
+
+def test_the_tally_counts_each_steps_set_records_not_done_across_a_reload(
+        tmp_path: Path) -> None:
+    # The step barrier's "not yet" after every job's end reads this count instead
+    # of listing the step's sets: it must follow every change, forget and load.
+    runs = tmp_path / "runs"
+    step, other = "r1/epoch_00/step_00", "r1/epoch_00/step_01"
+    store = StateStore(runs)
+    store.load()
+    store.update(f"{step}/w/01-03", SetState.QUEUED)
+    store.update(f"{step}/w/04-06", SetState.RUNNING)
+    store.update(f"{other}/w/01-03", SetState.DONE)
+    assert (store.tally.open_in[step], store.tally.open_in[other]) == (2, 0)
+    store.update(f"{step}/w/01-03", SetState.DONE)
+    store.update(f"{step}/w/04-06", SetState.DONE, reason=None)
+    assert store.tally.open_in[step] == 0
+    store.update(f"{step}/w/04-06", SetState.STALE)
+    store.update(f"{other}/w/01-03", SetState.FAILED)
+    assert (store.tally.open_in[step], store.tally.open_in[other]) == (1, 1)
+    store.forget(f"{other}/w/01-03")
+    assert store.tally.open_in[other] == 0
+    store.flush(force=True)
+    store.close()
+
+    again = StateStore(runs)
+    again.load()
+    assert (again.tally.open_in[step], again.tally.open_in[other]) == (1, 0)
+    assert again.counts() == {"done": 1, "stale": 1}

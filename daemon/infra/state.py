@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.layout import STATE_DIR, default_state_path
+from ..core.layout import STATE_DIR, default_state_path, step_of
 from ..core.state_db import StateDB, move_aside, read_only
 from ..guard import leakguard
 
@@ -84,6 +84,22 @@ class RunSpend:
     last_report_at: float | None = None
 
 
+class SetTally:
+    """Set records counted as they change (under the store's lock): per state, for
+    the main loop's status line and /metrics, asked every second (100,000 sets
+    took ~10 ms to count); and those not DONE per step id, so the step barrier,
+    asked at every job's end, knows "not yet" without listing a step's sets."""
+
+    def __init__(self) -> None:
+        self.by_state: Counter[str] = Counter()
+        self.open_in: Counter[str] = Counter()
+
+    def add(self, set_id: str, state: SetState, by: int) -> None:
+        self.by_state[state.value] += by
+        if state != SetState.DONE:
+            self.open_in[step_of(set_id)] += by
+
+
 class StateStore:
     """Its methods take `lock`; `flush()` writes what changed.
 
@@ -103,9 +119,7 @@ class StateStore:
         # Paths under runs/ (and human folders) the daemon cannot use, with why:
         # what `skilltrain status` shows besides the sets (epoch_1, a linked run).
         self.notices: dict[str, dict[str, str]] = {}
-        # Sets per state, kept as they change: the main loop's status line
-        # and /metrics ask every second, and 100,000 sets took ~10 ms to count.
-        self._counts: Counter[str] = Counter()
+        self.tally = SetTally()
         self.lock = threading.RLock()
         # Keys changed since the last flush, per table; a key no longer in its
         # dict is deleted. Only these rows are written.
@@ -173,7 +187,7 @@ class StateStore:
         if problem:
             with self.lock:
                 self.sets, self.steps, self.spend, self.notices = {}, {}, {}, {}
-                self._counts = Counter()
+                self.tally = SetTally()
             return f"{problem}; the bad file is kept as {kept}" if kept else problem
         with self.lock:
             for table, records in self._tables().items():
@@ -212,9 +226,9 @@ class StateStore:
                 except (KeyError, TypeError, ValueError):
                     continue
                 if (old := self.sets.get(set_id)) is not None:
-                    self._counts[old.state.value] -= 1
+                    self.tally.add(set_id, old.state, -1)
                 self.sets[set_id] = new
-                self._counts[new.state.value] += 1
+                self.tally.add(set_id, new.state, 1)
             for step_id, rec in sections["steps"].items():
                 try:
                     self.steps[step_id] = StepRecord(**rec)
@@ -243,8 +257,8 @@ class StateStore:
             rec = known or SetRecord(state=state)
             if known is None or rec.state != state or changes:  # a new set is kept
                 if known is not None:
-                    self._counts[rec.state.value] -= 1
-                self._counts[state.value] += 1
+                    self.tally.add(set_id, rec.state, -1)
+                self.tally.add(set_id, state, 1)
                 rec.state = state
                 keys = leakguard.installed()
                 for name, value in changes.items():
@@ -262,7 +276,7 @@ class StateStore:
         """A set whose folder is gone."""
         with self.lock:
             if (rec := self.sets.pop(set_id, None)) is not None:
-                self._counts[rec.state.value] -= 1
+                self.tally.add(set_id, rec.state, -1)
                 self._dirty["sets"].add(set_id)
 
     def forget_step(self, step_id: str) -> None:
@@ -329,7 +343,7 @@ class StateStore:
     def counts(self) -> Counter[str]:
         """Sets per state (a copy; states with none left out)."""
         with self.lock:
-            return +self._counts
+            return +self.tally.by_state
 
     # ------------------------------------------------------------- writing
     def flush(self, *, force: bool = False, pid: int | None = None) -> bool:

@@ -158,7 +158,7 @@ class SetOwner:
             decision = NOTHING
         try:
             self._end(key, decision)
-            self.steps.check(key.step_key)
+            self.steps.check_unless_open(key.step_key)
         except Exception:
             self.log.exception("set.error", **key.log_fields())
         self.heartbeat.beat()

@@ -198,7 +198,7 @@ class Reconciler:
     def _evaluate_job(self, key: layout.SetKey) -> None:
         """A look that fell due (a Revisit or a hint); then the set's step barrier."""
         self.look(key, self._evaluate_member)
-        self.steps.check(key.step_key)
+        self.steps.check_unless_open(key.step_key)
 
     def _evaluate_member(self, key: layout.SetKey) -> Decision:
         """A look asked for a while ago: the set may have left its step since (its

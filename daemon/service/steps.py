@@ -70,6 +70,12 @@ class Steps:
         return bool(rec and rec.optimizer_done)
 
     # ---------------------------------------------------------------- barrier
+    def check_unless_open(self, step: layout.StepKey) -> None:
+        """check(), unless a set record of the step is not DONE: "not yet" without
+        listing its sets (O(works)); a set it no longer has waits for the next scan."""
+        if not self.state.tally.open_in[step.id]:  # an int read: no lock needed
+            self.check(step)
+
     def check(self, step: layout.StepKey, keys: list[layout.SetKey] | None = None) -> None:
         """When every expected set of a step is done: step.reported once, then the optimizer.
 
