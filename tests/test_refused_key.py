@@ -18,6 +18,7 @@ from skilltrain.daemon.infra.llm_endpoints import Slot
 from skilltrain.daemon.infra.llm_limit import Limiter
 from tests.conftest import LOOPBACK_MODEL
 from tests.daemon_helpers import (
+    DaemonProcess,
     InProcessDaemon,
     Start,
     build_workspace,
@@ -197,3 +198,26 @@ def test_prometheus_gets_the_blocked_endpoint_for_the_alert() -> None:
     (blocked,) = [line for line in after.splitlines()
                   if line.startswith("skilltrain_llm_endpoint_blocked{")]
     assert 'kind="quota"' in blocked and blocked.endswith(" 1.0")  # SkilltrainLLMKeyRefused
+
+
+def test_a_reload_probes_a_blocked_endpoint_at_once(tmp_path: Path) -> None:
+    """Credit topped up, `systemctl reload` (SIGHUP): the blocked endpoint is
+    probed now, not at its next probe (here an hour away), and the held sets
+    go on."""
+    import signal
+
+    opened = threading.Event()
+    with LLMServer(default=quota_until(opened)) as server:
+        ws = build_workspace(tmp_path, server.url, works={"w0": 3}, settle_s=0.0)
+        text = ws.config_path.read_text()
+        ws.config_path.write_text(text.replace("[loss]", "probe_refused_key_s = 3600\n[loss]"))
+        (s,) = ws.write_step("r1", 1, 1, success=True)
+        with DaemonProcess(ws) as daemon:
+            daemon.wait_event("llm.blocked", 60)
+            opened.set()
+            daemon.signal(signal.SIGHUP)
+            reload = daemon.wait_event("daemon.reload", 30)
+            daemon.wait_event("llm.unblocked", 30)
+            wait_until(lambda: ws.has_report(s), 30, message="the held set's report")
+            assert daemon.alive()  # a reload is not a stop
+    assert reload["blocked_probed"] == 1

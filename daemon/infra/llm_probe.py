@@ -34,6 +34,16 @@ class Prober:
         self.count = 0
         self._schedule()
 
+    def now(self) -> bool:
+        """Probe at once (the operator says the key is fixed: SIGHUP), unless one is
+        under way; its failure schedules the next one probe_s later. True if started."""
+        if self._task is not None or self.probe is None:
+            return False
+        if self._timer is not None:
+            self._timer.cancel()
+        self._start()
+        return True
+
     def _schedule(self) -> None:
         self.due = self.clock() + self.probe_s
         if self.probe is not None:

@@ -166,6 +166,14 @@ class Jobs:
 
         self.llm.run(block())
 
+    def probe_blocked_now(self) -> int:
+        """Every blocked endpoint probed at once (SIGHUP: "the key works again, look
+        now", not in up to probe_refused_key_s); how many probes started."""
+        async def probe() -> int:
+            return sum(limiter.prober.now() for limiter in self.limiters.blocked())
+
+        return self.llm.run(probe())
+
     def _probe(self, model: str, api_base: str | None) -> Callable[[], Awaitable[str]]:
         """A blocked endpoint's probe: one small real call with the configured key."""
         settings = self.cfg.llm.model_copy(update={"model": model, "api_base": api_base})

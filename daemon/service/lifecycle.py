@@ -83,6 +83,7 @@ class Daemon:
         self.notifier = notify.Notifier.from_env(on_error=_warn_once(self.emit))
         self.clock = time.time  # wall clock: retry times are kept in the state
         self.stop_event = threading.Event()  # stop intake: set by signals or fatal errors
+        self.reload_asked = threading.Event()  # SIGHUP: look again now (a key fixed, a file)
         self.exit_code = ExitCode.OK
         self.state = StateStore(self.runs, cfg.paths.state)
         self.metrics = Metrics(lambda: self.state.counts(), [s.value for s in SetState])
@@ -271,11 +272,22 @@ class Daemon:
             if self.watcher.root_replaced() or not self.watcher.alive():
                 self._watcher_died()
                 continue
+            if self.reload_asked.is_set():
+                self.reload_asked.clear()
+                self._look_again()
             self._flush_state()
             leakguard.installed()  # an idle daemon still picks up (and says) a key's edit
             if (line := _status_line(self.state)) != last_status:
                 self.notifier.status(line)
                 last_status = line
+
+    def _look_again(self) -> None:
+        """SIGHUP (`systemctl reload`): the operator fixed something. Each blocked
+        endpoint is probed now (credit topped up: no wait of up to
+        probe_refused_key_s), and every set looked at by a scan."""
+        probes = self.jobs.probe_blocked_now()
+        self.emit("daemon.reload", blocked_probed=probes)
+        self.revisits.scan_soon()
 
     def _flush_state(self) -> None:
         try:

@@ -109,6 +109,8 @@ def _install_signal_handlers(daemon: Daemon) -> None:
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+    # Reload: the main loop probes blocked endpoints and scans at its next tick.
+    signal.signal(signal.SIGHUP, lambda signum, frame: daemon.reload_asked.set())
 
 
 def logging_flush() -> None:
