@@ -200,3 +200,22 @@ def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -
     assert not [p for p in retired.iterdir() if p.is_symlink()]
     (line,) = events
     assert line["files"] == 3 and line["links_removed"] == 2
+
+
+def test_a_set_of_a_work_added_since_data_was_read_is_still_expected(tmp_path: Path) -> None:
+    # Discovery reads data/ at scans: a set of a newer work must not be taken
+    # for one its step no longer has (forgotten, its report discarded).
+    from skilltrain.daemon.core import config, layout
+    from skilltrain.daemon.infra.state import StateStore
+    from skilltrain.daemon.service.discovery import Discovery
+    from tests.daemon_helpers import human_screenplays, write_human_episodes
+
+    ws = build_workspace(tmp_path, "http://127.0.0.1:9", works={"alpha": 3})
+    cfg = config.load(ws.config_path)
+    discovery = Discovery(cfg, StateStore(cfg.paths.runs), lambda *a, **k: None)
+    discovery.load_works()
+    write_human_episodes(tmp_path, "beta", human_screenplays("beta", 3))
+
+    assert discovery.expects(layout.SetKey("r1", 0, 0, "beta", 1, 3))
+    assert not discovery.expects(layout.SetKey("r1", 0, 0, "beta", 1, 2))
+    assert not discovery.expects(layout.SetKey("r1", 0, 0, "gamma", 1, 3))

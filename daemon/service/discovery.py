@@ -124,6 +124,8 @@ class Discovery:
         if self._quotes_the_key(key.run):
             return False
         work = self.works.get(key.work)
+        if work is None and self.refresh_works():  # a work added since data/ was read
+            work = self.works.get(key.work)
         if work is None or all(w is not work for w in self.expected_works(key.run)):
             return False
         return (key.first, key.last) in work.ranges(self.cfg.loss.episodes_per_report)
