@@ -108,6 +108,7 @@ class Watcher:
         self.kind = ""  # "native" or "polling" once started
         self._handler = _HintHandler(hint, report, rescan, self._watch_new_folder)
         self._report = report
+        self._rescan = rescan
         self._polling_interval_s = polling_interval_s
         self._observer: BaseObserver | None = None
         self._deficits = 0
@@ -177,12 +178,21 @@ class Watcher:
         for folder, recursive in sorted(plan - set(self._scheduled)):
             if not self._schedule(observer, folder, recursive):
                 return  # fell back to polling: nothing left to plan
-        for key in [k for k in list(self._scheduled) if k not in plan and k[0] != self.runs]:
+        removed = [k for k in list(self._scheduled) if k not in plan and k[0] != self.runs]
+        for key in removed:
             watch = self._scheduled.pop(key)
             try:
                 observer.unschedule(watch)
             except KeyError:
                 pass  # its folder was deleted and watchdog dropped it already
+        # Still watched is not still heard: watchdog drops what an unscheduled
+        # watch had read and not yet passed on, and the watches that take over
+        # did not exist when the kernel reported it (a new run's whole-run
+        # watch handing over to its step watches: the `_SUCCESS` or the last
+        # episode written meanwhile is lost). A scan, after the new watches, finds it.
+        if any(recursive and any(place.is_relative_to(folder) for place, _ in plan)
+               for folder, recursive in removed):
+            self._rescan()
 
     def _schedule(self, observer: BaseObserver, folder: Path, recursive: bool) -> bool:
         """Watch `folder`; False when inotify ran out and the watcher fell back to polling."""
