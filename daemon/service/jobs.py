@@ -166,13 +166,16 @@ class Jobs:
 
         self.llm.run(block())
 
-    def probe_blocked_now(self) -> int:
-        """Every blocked endpoint probed at once (SIGHUP: "the key works again, look
-        now", not in up to probe_refused_key_s); how many probes started."""
+    def look_again(self) -> None:
+        """SIGHUP (`systemctl reload`): the operator fixed something. Every blocked
+        endpoint is probed now, not in up to probe_refused_key_s (credit topped
+        up), and every set is looked at (the unblocking's rescan)."""
         async def probe() -> int:
             return sum(limiter.prober.now() for limiter in self.limiters.blocked())
 
-        return self.llm.run(probe())
+        self.emit("daemon.reload", blocked_probed=self.llm.run(probe()))
+        if self.on_unblocked is not None:
+            self.on_unblocked()
 
     def _probe(self, model: str, api_base: str | None) -> Callable[[], Awaitable[str]]:
         """A blocked endpoint's probe: one small real call with the configured key."""

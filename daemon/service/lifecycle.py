@@ -45,7 +45,7 @@ from ..core import atomic, config, layout, notify
 from ..core.errors import ConfigError, ExitCode
 from ..core.lock import RunsLock
 from ..core.templates import PromptTemplates
-from ..guard import leakguard
+from ..guard import leakguard, leakguard_live
 from ..infra import cpu, llm, llm_flex, llm_loop, log
 from ..infra.state import SetState, StateStore
 from . import metrics_runs
@@ -130,7 +130,8 @@ class Daemon:
                                     settle=settle, discovery=self.discovery, owner=self.owner,
                                     budget=self.budget, steps=self.steps, loop=self.loop,
                                     templates=self.templates, heartbeat=self.heartbeat,
-                                    scanned=self._scanned, refused_key=self.jobs.refused_key)
+                                    scanned=lambda dirs: self.watcher.scanned(dirs),
+                                    refused_key=self.jobs.refused_key)
         self.watcher = Watcher(self.runs, cfg.watch.observer, self.reconcile.hint, self.emit,
                                rescan=self.revisits.scan_soon)
         metrics_runs.install(self.metrics, cfg, self.state, lambda: self.watcher.kind)
@@ -234,11 +235,6 @@ class Daemon:
         self.metrics.catching_up(looked, total)
         self._flush_state()  # a start killed now keeps what it has looked at
 
-    def _scanned(self, open_step_dirs: set[Path]) -> None:
-        """After each scan: watch where sets can still change, and check the watches hold."""
-        self.watcher.watch_open_steps(open_step_dirs)
-        self.watcher.check_coverage()
-
     # ------------------------------------------------------------- main loop
     def healthy(self) -> bool:
         """For the systemd watchdog: intake alive and the loop not stuck."""
@@ -272,22 +268,14 @@ class Daemon:
             if self.watcher.root_replaced() or not self.watcher.alive():
                 self._watcher_died()
                 continue
-            if self.reload_asked.is_set():
+            if self.reload_asked.is_set():  # SIGHUP: blocked keys probed now, and a scan
                 self.reload_asked.clear()
-                self._look_again()
+                self.jobs.look_again()
             self._flush_state()
             leakguard.installed()  # an idle daemon still picks up (and says) a key's edit
             if (line := _status_line(self.state)) != last_status:
                 self.notifier.status(line)
                 last_status = line
-
-    def _look_again(self) -> None:
-        """SIGHUP (`systemctl reload`): the operator fixed something. Each blocked
-        endpoint is probed now (credit topped up: no wait of up to
-        probe_refused_key_s), and every set looked at by a scan."""
-        probes = self.jobs.probe_blocked_now()
-        self.emit("daemon.reload", blocked_probed=probes)
-        self.revisits.scan_soon()
 
     def _flush_state(self) -> None:
         try:
@@ -432,8 +420,6 @@ def _status_line(state: StateStore) -> str:
 def _install_answer_keys(data: Path, emit: Callable[..., None]) -> None:
     """Every work's index, for what belongs to no one work: log lines, error
     reasons, other works' keys. Kept current with data/ (leakguard_live)."""
-    from ..guard import leakguard_live
-
     leakguard_live.install(data, lambda works, eps: emit("answer_keys.reloaded", works=works,
                                                           episodes=eps))
 

@@ -156,12 +156,14 @@ class Watcher:
         if not polling:
             self._apply(observer)
 
-    def watch_open_steps(self, step_dirs: set[Path]) -> None:
-        """The open steps after a scan; the native watches follow them."""
+    def scanned(self, step_dirs: set[Path]) -> None:
+        """After a scan: the open steps, which the native watches follow; then
+        whether the watches hold (check_coverage)."""
         with self._swap:
             self._open_steps = set(step_dirs)
             if self._observer is not None and self.kind == "native":
                 self._apply(self._observer)
+        self.check_coverage()
 
     def _plan(self) -> set[tuple[Path, bool]]:
         """(folder, recursive) for every place where a set can still appear or change."""
