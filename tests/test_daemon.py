@@ -874,3 +874,25 @@ def test_runs_folder_deleted_and_recreated_is_watched_again(
     assert not d.daemon.stop_event.is_set() and d.daemon.exit_code == ExitCode.OK
     lock = ws.runs / ".skilltrain" / "daemon.lock"
     assert lock.read_text().strip() == str(os.getpid())
+
+
+def test_a_paid_reply_that_is_refused_counts_in_the_spend_and_the_budget(
+    tmp_path: Path, llm_server: LLMServer, start: Start
+) -> None:
+    # Only written reports were counted: a run whose replies came back cut off
+    # (or contradicted, or leaking) paid for each and every retry of them while
+    # its spend, its budget and skilltrain_cost_usd stayed at zero.
+    llm_server.default = lambda request: Reply.truncated()
+    ws = budget_workspace(tmp_path, llm_server)
+    ws.write_step("r1", 1, 1, success=True)
+    for ep in (4, 5, 6):  # one set: 01-03
+        (ws.scripts("r1", 1, 1, "alpha") / f"ep{ep:02d}.txt").unlink()
+    start(ws)
+    (refused,) = wait_until(lambda: ws.events("loss.refused"), 20, message="loss.refused")
+    assert refused["cost_usd"] > 0.0001 and refused["tokens_in"] > 1000
+    later = ws.write_step("r1", 1, 2, success=True)
+    wait_until(lambda: ws.events("budget.reached"), 10, message="budget.reached")
+    assert stays(lambda: llm_server.request_count == 1, 0.8)
+    assert not any(ws.has_report(s) for s in later)
+    spend = wait_until(lambda: ws.state()["spend"].get("r1"), 5, message="the run's spend")
+    assert spend["cost_usd"] == refused["cost_usd"] and spend["reports"] == 0

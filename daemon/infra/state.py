@@ -296,7 +296,8 @@ class StateStore:
             self._dirty["steps"].add(step_id)
 
     def add_spend(self, run: str, tokens_in: int, tokens_out: int, tokens_cached: int,
-                  cost_usd: float | None, tokens_cache_write: int = 0) -> RunSpend:
+                  cost_usd: float | None, tokens_cache_write: int = 0,
+                  report: bool = True) -> RunSpend:  # report=False: a reply refused
         with self.lock:
             spend = self.spend.setdefault(run, RunSpend())
             spend.tokens_in += tokens_in
@@ -304,8 +305,9 @@ class StateStore:
             spend.tokens_cached += tokens_cached
             spend.tokens_cache_write += tokens_cache_write
             spend.cost_usd += cost_usd or 0.0
-            spend.reports += 1
-            spend.last_report_at = time.time()
+            if report:
+                spend.reports += 1
+                spend.last_report_at = time.time()
             self._dirty["spend"].add(run)
             return spend
 

@@ -33,6 +33,9 @@ from ..infra.llm_flex import FlexUnavailable
 PREFIX = "skilltrain"
 TOKEN_KINDS = {"in": "tokens_in", "out": "tokens_out", "cached": "tokens_cached",
                "cache_write": "tokens_cache_write"}
+# Events of a reply paid for (they carry its tokens and cost): written, or not.
+PAID_EVENTS = frozenset({"loss.completed", "loss.refused", "loss.contradicted",
+                         "loss.discarded"})
 # One loss completion takes seconds to minutes; retries and their waits included.
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 # A writer or an optimizer run: a toy's second to a fine-tuning's hours.
@@ -193,6 +196,7 @@ class Metrics:
                 failures.labels(run)  # at 0 from the run's first stage: increase() sees the 1st
         if event == "loss.completed":
             self.reports.inc()
+        if event in PAID_EVENTS and "tokens_in" in fields:  # a reply paid for, kept or not
             for kind, name in TOKEN_KINDS.items():
                 self.tokens.labels(kind).inc(_number(fields.get(name)))
             self.cost.inc(_number(fields.get("cost_usd")))

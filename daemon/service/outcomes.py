@@ -30,6 +30,7 @@ from ..core.errors import (
     LLMError,
     RefusedError,
 )
+from ..infra import llm
 from ..infra.state import SetState, StateStore
 from .decision import FORGET, NOTHING, Decision
 from .observe import Fingerprint
@@ -37,6 +38,7 @@ from .revisit import Revisit, Why
 from .steps import Steps
 
 Emit = Callable[..., None]
+PAID = "paid_reply"  # set on an error raised after a reply was paid for: its llm.Completion
 
 
 class Abandoned(Exception):
@@ -61,19 +63,23 @@ class Outcomes:
         """What the job came to: one event now, and the Decision to apply."""
         if error is None:
             return NOTHING if result is None else self._completed(key, fp, result)
+        # A reply paid for and not written (refused, contradicted, its inputs
+        # changed): in the run's spend and budget all the same, and on its event.
+        paid = self._spent(key.run, getattr(error, PAID, None))
         try:
             raise error
         except InputsChangedError as e:
-            return self._discarded(key, e)
+            return self._discarded(key, e, paid)
         except ContradictedReportError as e:  # a BadOutputError: caught first
             # Whole but confidently wrong: bogus signal, retried like a failed call.
-            return self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts)
+            return self.fail(key, fp, attempts, str(e), event="loss.contradicted", **e.counts,
+                             **paid)
         except BadOutputError as e:
             # The reply, not the input, was bad: refused, and retried like a failure.
-            return self.fail(key, fp, attempts, str(e), event="loss.refused")
+            return self.fail(key, fp, attempts, str(e), event="loss.refused", **paid)
         except RefusedError as e:
             self.failures += 1
-            self.emit("loss.refused", level="warning", reason=str(e))
+            self.emit("loss.refused", level="warning", reason=str(e), **paid)
             return Decision.write(SetState.REFUSED, reason=str(e),
                                   refused_fingerprint=fp.as_json())
         except LLMError as e:
@@ -83,18 +89,32 @@ class Outcomes:
                 return self._rate_limited(key, fp, attempts, str(e), e.retry_after_s)
             return self.fail(key, fp, attempts, str(e), retry_after_s=e.retry_after_s)
         except ConfigError as e:
-            return self.fail(key, fp, attempts, str(e))
+            return self.fail(key, fp, attempts, str(e), **paid)
         except OSError as e:
             # A full disk, a permission: the job wrote nothing (all or none).
             where = f" {e.filename}" if e.filename else ""
             return self.fail(key, fp, attempts,
-                             f"cannot write the report{where}: {e.strerror or type(e).__name__}")
+                             f"cannot write the report{where}: {e.strerror or type(e).__name__}",
+                             **paid)
         except Abandoned:
             return Decision.write(SetState.QUEUED, reason="abandoned at shutdown")
 
-    def _discarded(self, key: layout.SetKey, error: InputsChangedError) -> Decision:
+    def _spent(self, run: str, paid: llm.Completion | None) -> dict[str, Any]:
+        """A reply paid for but not written, in the run's spend (not a report); its
+        tokens and cost for the event (Prometheus counts them from there)."""
+        if paid is None:
+            return {}
+        self.state.add_spend(run, paid.tokens_in, paid.tokens_out, paid.tokens_cached,
+                             paid.cost_usd, tokens_cache_write=paid.tokens_cache_write,
+                             report=False)
+        return {"tokens_in": paid.tokens_in, "tokens_out": paid.tokens_out,
+                "tokens_cached": paid.tokens_cached,
+                "tokens_cache_write": paid.tokens_cache_write, "cost_usd": paid.cost_usd}
+
+    def _discarded(self, key: layout.SetKey, error: InputsChangedError,
+                   paid: dict[str, Any]) -> Decision:
         """Not a report of what is on disk now: nothing written, the step not counted."""
-        self.emit("loss.discarded", level="warning", reason=str(error))
+        self.emit("loss.discarded", level="warning", reason=str(error), **paid)
         if isinstance(error, LeftStepError):
             return FORGET  # its step's optimizer must not read it; the set is gone
         # The set settles again and is made anew.

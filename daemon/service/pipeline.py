@@ -24,7 +24,7 @@ from ..core.errors import (
 from ..core.templates import PromptTemplates
 from ..infra import llm
 from .decision import Decision, Ticket
-from .outcomes import Abandoned, Outcomes
+from .outcomes import PAID, Abandoned, Outcomes
 from .retire import StepFolders
 
 # What a set's way to a report may end in, short of a bug: each has its outcome.
@@ -56,11 +56,16 @@ class Pipeline:
         """The reply checked and written, if the set is still one its step has
         (LeftStepError if not: its step's optimizer may be reading the folder)."""
         integrity = self.cfg.integrity
-        with self.folders.landing(key):
-            return loss.finish(prepared, completion, on_leak=integrity.on_leak,
-                               on_contradiction=integrity.on_contradiction,
-                               refuse_share=integrity.refuse_share,
-                               sidecar_extra=sidecar_extra)
+        try:
+            with self.folders.landing(key):
+                return loss.finish(prepared, completion, on_leak=integrity.on_leak,
+                                   on_contradiction=integrity.on_contradiction,
+                                   refuse_share=integrity.refuse_share,
+                                   sidecar_extra=sidecar_extra)
+        except EXPECTED as e:
+            # Paid for, whatever became of it: Outcomes counts it in the run's spend.
+            setattr(e, PAID, completion)
+            raise
 
     def decide(self, ticket: Ticket, result: loss.LossResult | None,
                error: BaseException | None) -> Decision:
