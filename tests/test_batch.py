@@ -230,7 +230,9 @@ def test_inputs_changed_since_the_batch_was_sent_discard_the_reply(
     scripts = ws.scripts("r1", 0, 0, "beta")
     (scripts / "ep02.txt").write_text(model_episode("r1", 0, 0, "beta", 2, version=1),
                                       encoding="utf-8")
-    wait_until(lambda: ws.events("loss.discarded"), 60, message="loss.discarded")
+    (discarded,) = wait_until(lambda: ws.events("loss.discarded"), 60,
+                              message="loss.discarded")
+    assert discarded["tokens_in"] > 0  # paid for all the same: in the run's spend
     wait_until(all_reported(ws), 60, message="redone")
     side = ws.read_sidecar(sets[0])
     assert side["model_episodes"]["ep02.txt"] == __import__("hashlib").sha256(

@@ -47,7 +47,7 @@ from .decision import NOTHING, Decision, Outcome, Ticket
 from .jobs import Finish
 from .key_at_provider import KeyAtProvider
 from .observe import Fingerprint
-from .pipeline import Pipeline
+from .pipeline import Pipeline, paid_for
 from .revisit import Revisit, Why
 
 Emit = Callable[..., None]
@@ -318,8 +318,9 @@ class Results:
     def _finish_reply(self, rec: BatchRecord, item: BatchItem, ticket: Ticket,
                       body: dict[str, Any]) -> Finish:
         def finish() -> loss.LossResult:
-            prepared = self._same_inputs(item, ticket)
             completion, note = self.api.completion(body, self.cfg.llm.model)
+            with paid_for(completion):  # its inputs changed since: discarded, paid all the same
+                prepared = self._same_inputs(item, ticket)
             extra: dict[str, Any] = {"mode": "batch", "batch_id": rec.batch_id}
             if note:
                 extra["cost_note"] = note

@@ -10,6 +10,8 @@ reply is checked, written and retried exactly like a live one.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ...handlers import loss
@@ -30,6 +32,17 @@ from .retire import StepFolders
 # What a set's way to a report may end in, short of a bug: each has its outcome.
 EXPECTED = (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError, OSError,
             Abandoned)
+
+
+@contextlib.contextmanager
+def paid_for(completion: llm.Completion) -> Iterator[None]:
+    """What goes wrong in here came after `completion` was paid for: the error
+    carries it, and Outcomes counts it in the run's spend, written or not."""
+    try:
+        yield
+    except EXPECTED as e:
+        setattr(e, PAID, completion)
+        raise
 
 
 class Pipeline:
@@ -56,16 +69,11 @@ class Pipeline:
         """The reply checked and written, if the set is still one its step has
         (LeftStepError if not: its step's optimizer may be reading the folder)."""
         integrity = self.cfg.integrity
-        try:
-            with self.folders.landing(key):
-                return loss.finish(prepared, completion, on_leak=integrity.on_leak,
-                                   on_contradiction=integrity.on_contradiction,
-                                   refuse_share=integrity.refuse_share,
-                                   sidecar_extra=sidecar_extra)
-        except EXPECTED as e:
-            # Paid for, whatever became of it: Outcomes counts it in the run's spend.
-            setattr(e, PAID, completion)
-            raise
+        with paid_for(completion), self.folders.landing(key):
+            return loss.finish(prepared, completion, on_leak=integrity.on_leak,
+                               on_contradiction=integrity.on_contradiction,
+                               refuse_share=integrity.refuse_share,
+                               sidecar_extra=sidecar_extra)
 
     def decide(self, ticket: Ticket, result: loss.LossResult | None,
                error: BaseException | None) -> Decision:
