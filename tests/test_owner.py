@@ -56,7 +56,7 @@ class Recorder:
     def ask(self, *revisits: Revisit | None) -> None:
         self.looks += [r for r in revisits if r is not None]
 
-    def check(self, step: layout.StepKey) -> None:
+    def check_unless_open(self, step: layout.StepKey) -> None:
         self.checked.append(step)
 
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:

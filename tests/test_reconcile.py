@@ -86,6 +86,9 @@ class FakeSteps:
     def check(self, step: layout.StepKey, keys: Any = None) -> None:
         pass
 
+    def check_unless_open(self, step: layout.StepKey) -> None:
+        pass
+
     def reopen(self, key: layout.SetKey) -> None:
         pass
 
