@@ -37,7 +37,7 @@ def test_a_report_of_a_set_the_step_no_longer_has_is_moved_out_before_the_optimi
     assert "alpha_ep04-06.md" in runs[0]
     assert [n for n in runs[1] if n.endswith(".md") and not n.endswith("_prompt.md")] == [
         "alpha_ep01-03.md", "alpha_ep04-05.md"]
-    retired = ws.runs / "r1" / "loss" / ".retired" / "epoch_00" / "step_00"
+    retired = ws.runs / ".skilltrain" / "retired" / "r1" / "epoch_00" / "step_00"
     assert sorted(p.name for p in retired.iterdir()) == [
         "alpha_ep04-06.json", "alpha_ep04-06.md", "alpha_ep04-06_prompt.md"]
     (line,) = ws.events("step.retired")
@@ -168,7 +168,7 @@ def test_a_retry_of_a_set_that_left_its_step_is_not_sent(tmp_path: Path) -> None
 def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -> None:
     """x_ep001-003.md parses as set 01-03, and a link named like a loss file was
     skipped: both stayed in the folder the optimizer reads. The name is moved
-    out; the link is removed (it may point at an answer key), not kept."""
+    out; every link is removed (it may point at an answer key), not kept."""
     import os
 
     from skilltrain.daemon.core import layout
@@ -184,7 +184,8 @@ def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -
     key.parent.mkdir(parents=True)
     key.write_text("the answer key\n", encoding="utf-8")
     os.symlink(key, reports / "alpha_ep04-06.md")
-    os.symlink(key, reports / "alpha_ep01-03_prompt.md.tmp")  # not a loss file's name
+    os.symlink(key, reports / "notes.md")  # not a loss file's name
+    os.symlink(key.parent, reports / "alpha")  # a folder
     (reports / "alpha_ep01-03_prompt.md").unlink()
     os.symlink(key, reports / "alpha_ep01-03_prompt.md")  # a wanted set's name, as a link
     events: list[dict[str, object]] = []
@@ -193,13 +194,14 @@ def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -
                                 lambda event, **f: events.append({"event": event, **f}))
 
     assert sorted(p.name for p in reports.iterdir()) == [
-        "alpha_ep01-03.json", "alpha_ep01-03.md", "alpha_ep01-03_prompt.md.tmp"]
+        "alpha_ep01-03.json", "alpha_ep01-03.md"]
     retired = retire.retired_dir(runs, step)
     assert sorted(p.name for p in retired.iterdir()) == [
         "alpha_ep001-003.json", "alpha_ep001-003.md", "alpha_ep001-003_prompt.md"]
     assert not [p for p in retired.iterdir() if p.is_symlink()]
     (line,) = events
-    assert line["files"] == 3 and line["links_removed"] == 2
+    assert line["files"] == 3 and line["links_removed"] == 4
+    assert key.exists()  # the link went, not what it points at
 
 
 def test_a_set_of_a_work_added_since_data_was_read_is_still_expected(tmp_path: Path) -> None:
@@ -219,3 +221,38 @@ def test_a_set_of_a_work_added_since_data_was_read_is_still_expected(tmp_path: P
     assert discovery.expects(layout.SetKey("r1", 0, 0, "beta", 1, 3))
     assert not discovery.expects(layout.SetKey("r1", 0, 0, "beta", 1, 2))
     assert not discovery.expects(layout.SetKey("r1", 0, 0, "gamma", 1, 3))
+
+
+def test_a_run_toml_being_written_keeps_the_works_it_named(tmp_path: Path) -> None:
+    # An editor truncates run.toml before writing it: read empty (or half
+    # written), it meant "every work" for a moment, and a set the run had left
+    # could land its report in the folder its optimizer reads (a review's repro).
+    import os
+
+    from skilltrain.daemon.core import config, layout
+    from skilltrain.daemon.infra.state import StateStore
+    from skilltrain.daemon.service.discovery import Discovery
+
+    ws = build_workspace(tmp_path, "http://127.0.0.1:9", works={"alpha": 3, "beta": 3})
+    cfg = config.load(ws.config_path)
+    discovery = Discovery(cfg, StateStore(cfg.paths.runs), lambda *a, **k: None)
+    discovery.load_works()
+    run_toml = ws.runs / "r1" / "run.toml"
+    run_toml.parent.mkdir(parents=True)
+    beta = layout.SetKey("r1", 0, 0, "beta", 1, 3)
+
+    def write(text: str) -> None:
+        run_toml.write_text(text, encoding="utf-8")
+        os.utime(run_toml, ns=(time.time_ns(), time.time_ns() + len(text)))  # a new mtime
+
+    write('works = ["alpha"]\n')
+    assert not discovery.expects(beta)
+    for being_written in ("", 'works = ["al'):
+        write(being_written)
+        assert not discovery.expects(beta), being_written
+        assert "keeping its last readable settings" in discovery.run_settings("r1").problems[0]
+    write('works = ["alpha", "beta"]\n')
+    assert discovery.expects(beta)
+    write('works = ["alpha"]\n')
+    run_toml.unlink()  # no file: every work
+    assert discovery.expects(beta)

@@ -68,7 +68,8 @@ class LeftStepError(InputsChangedError):
     """Raised when a set is no longer one its step has (work.toml's ranges,
     `episodes_per_report` or run.toml's works changed while its report was
     being made): its step's optimizer must not read the report, so it is not
-    written, and the set is forgotten."""
+    written; the set settles again, and its next look forgets it if it is
+    still not one."""
 
 
 class LLMError(SkilltrainError):

@@ -28,6 +28,7 @@ class RunToml:
     llm_mode: str | None = None  # None: config.toml's
     service_tier: str | None = None  # None: config.toml's
     problems: tuple[str, ...] = ()  # each says what is wrong and what applies instead
+    unreadable: bool = False  # not TOML (being written, or broken): nothing in it counted
 
 
 def path_of(runs: Path, run: str) -> Path:
@@ -42,7 +43,7 @@ def read(path: Path) -> RunToml:
         return RunToml()
     except (OSError, ValueError) as e:
         return RunToml(problems=(f"unreadable run.toml ({type(e).__name__}); "
-                                 "using all works and config.toml's [llm]",))
+                                 "using all works and config.toml's [llm]",), unreadable=True)
     problems: list[str] = []
     works = data.get("works")
     if works is not None and not (isinstance(works, list)

@@ -57,13 +57,14 @@ class Discovery:
         except ConfigError as e:
             self.ignore(self.cfg.paths.data, f"data/ not re-read: {e}", event="works.unreadable")
             return False
-        self._data_signature = signature
         if works.keys() == self.works.keys() and all(
                 works[n].explicit_ranges == self.works[n].explicit_ranges
                 and works[n].title == self.works[n].title for n in works):
+            self._data_signature = signature
             return False
         added = sorted(works.keys() - self.works.keys())
         self.works = works
+        self._data_signature = signature  # after the works: a reader never sees it first
         self.emit("works.reloaded", works=len(works), added=added)
         return True
 
@@ -123,12 +124,14 @@ class Discovery:
         """Is `key` one of the sets its step has now (sets_of_step, for one work)?"""
         if self._quotes_the_key(key.run):
             return False
-        work = self.works.get(key.work)
-        if work is None and self.refresh_works():  # a work added since data/ was read
-            work = self.works.get(key.work)
-        if work is None or all(w is not work for w in self.expected_works(key.run)):
-            return False
-        return (key.first, key.last) in work.ranges(self.cfg.loss.episodes_per_report)
+        if key.work not in self.works:
+            self.refresh_works()  # a work added since data/ was read
+        # By name, from one reading of the works: another thread may read data/
+        # again meanwhile and replace every Work object.
+        works = {w.name: w for w in self.expected_works(key.run)}
+        work = works.get(key.work)
+        return work is not None and (key.first, key.last) in work.ranges(
+            self.cfg.loss.episodes_per_report)
 
     def run_settings(self, run: str) -> run_toml.RunToml:
         """runs/<run>/run.toml, each of its problems named once (and shown by status).
@@ -149,7 +152,8 @@ class Discovery:
         if cached is not None and cached[0] == signature:
             settings = cached[1]
         else:
-            settings = run_toml.read(path)
+            settings = _held(run_toml.read(path), cached[1] if cached else None,
+                             empty=signature is not None and signature[1] == 0)
             if signature is not None:
                 self._run_tomls[run] = (signature, settings)
         for problem in settings.problems:
@@ -213,6 +217,19 @@ class Discovery:
                     self.ignore(work.human_dir, f"range {dataset.format_range(first, last)} "
                                 f"can never be reported: human {names} missing",
                                 event="work.range_incomplete")
+
+
+def _held(read: run_toml.RunToml, last: run_toml.RunToml | None, *,
+          empty: bool) -> run_toml.RunToml:
+    """What a run.toml says now. Empty or not TOML after a reading that was, it
+    is most likely being written (an editor truncates first): the last settings
+    hold, so a run does not widen to every work for a moment and let a set it
+    left land a report in its step. Deleting the file means every work."""
+    if last is None or last.unreadable or not (empty or read.unreadable):
+        return read
+    return run_toml.RunToml(last.works, last.llm_mode, last.service_tier, problems=(
+        "run.toml is empty or not TOML; keeping its last readable settings (delete the "
+        "file for every work and config.toml's [llm])",))
 
 
 def _data_signature(data: Path) -> tuple[tuple[str, int], ...]:

@@ -2,7 +2,7 @@
 
     reply written  -> loss.completed, DONE (the step may be reported; its cost.total then)
     inputs changed -> loss.discarded, SETTLING (made anew once settled)
-    set left step  -> loss.discarded, forgotten (its ranges or works changed meanwhile)
+    set left step  -> loss.discarded, SETTLING; forgotten by its next look if still out
     bad reply      -> loss.refused / loss.contradicted, FAILED, retried after backoff
     bad input      -> loss.refused, REFUSED (until its files change)
     call failed    -> loss.failed, FAILED, retried after backoff up to [loss] max_attempts;
@@ -26,13 +26,12 @@ from ..core.errors import (
     ConfigError,
     ContradictedReportError,
     InputsChangedError,
-    LeftStepError,
     LLMError,
     RefusedError,
 )
 from ..infra import llm
 from ..infra.state import SetState, StateStore
-from .decision import FORGET, NOTHING, Decision
+from .decision import NOTHING, Decision
 from .observe import Fingerprint
 from .revisit import Revisit, Why
 from .steps import Steps
@@ -115,9 +114,9 @@ class Outcomes:
                    paid: dict[str, Any]) -> Decision:
         """Not a report of what is on disk now: nothing written, the step not counted."""
         self.emit("loss.discarded", level="warning", reason=str(error), **paid)
-        if isinstance(error, LeftStepError):
-            return FORGET  # its step's optimizer must not read it; the set is gone
-        # The set settles again and is made anew.
+        # The set settles again and is made anew; one that left its step
+        # (LeftStepError) is forgotten by that look unless it is back by then
+        # (an editor saving a human episode by rename empties its ranges for a moment).
         return Decision.write(SetState.SETTLING, reason=str(error), revisit=Revisit(
             key, self.clock() + self.cfg.loss.settle_s, Why.RESETTLE))
 
