@@ -7,14 +7,16 @@ prompt archive behind, and the optimizer would learn from a report of a
 range that no longer exists. So before the step is reported, every loss
 file of another set is moved out of the folder, to
 
-    runs/<run>/loss/.retired/epoch_EE/step_SS/<its name>[.2, .3, ...]
+    runs/.skilltrain/retired/<run>/epoch_EE/step_SS/<its name>[.2, .3, ...]
 
 kept for a person to read (a second retirement of a set never replaces the
-first), never in a folder the optimizer is given. A file named like a set's
-but not written by the daemon (x_ep001-003.md beside x_ep01-03.md) goes the
-same way; a link named like one is removed (it may point at an answer key). A set that comes back is
-reported afresh: its report is paid for again (its old one is not moved
-back: bench/RESULTS.md lists it as a follow-up).
+first), outside every folder the optimizer is given (its reports folder and
+its run's). A file named like a set's but not written by the daemon
+(x_ep001-003.md beside x_ep01-03.md) goes the same way, and any link in the
+folder is removed (it may point at an answer key: nothing of ours is a
+link). A set that comes back is reported afresh: its report is paid for
+again (its old one is not moved back: bench/RESULTS.md lists it as a
+follow-up).
 
 A report still in flight when its set leaves the step (a live call, a
 provider batch that answers hours later) must not land after the strays
@@ -34,7 +36,7 @@ from pathlib import Path
 from ..core import atomic, layout
 from ..core.errors import LeftStepError
 
-RETIRED = ".retired"  # in runs/<run>/loss/
+RETIRED = "retired"  # in runs/.skilltrain/
 
 Emit = Callable[..., None]
 _one_at_a_time = threading.Lock()
@@ -102,7 +104,7 @@ class StepFolders:
 
 
 def retired_dir(runs: Path, step: layout.StepKey) -> Path:
-    return (runs / step.run / layout.LOSS_DIR / RETIRED / f"epoch_{step.epoch:02d}"
+    return (runs / layout.STATE_DIR / RETIRED / step.run / f"epoch_{step.epoch:02d}"
             / f"step_{step.step:02d}")
 
 
@@ -127,23 +129,24 @@ def _retire(runs: Path, step: layout.StepKey, wanted: set[str], emit: Emit) -> N
         entries = [e for e in os.scandir(reports) if not e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return
+    links = [e.name for e in entries if e.is_symlink()]
     strays = {e.name: key for e in entries
-              if (key := layout.parse_loss_file(runs, Path(e.path))) is not None
-              and (key.id not in wanted or e.is_symlink() or not _ours(e.name, key))}
-    if not strays:
+              if not e.is_symlink()
+              and (key := layout.parse_loss_file(runs, Path(e.path))) is not None
+              and (key.id not in wanted or not _ours(e.name, key))}
+    if not strays and not links:
         return
-    links = {e.name for e in entries if e.name in strays and e.is_symlink()}
+    for name in links:  # not kept under runs/ at all: it may point at an answer key
+        os.unlink(reports / name)
     target = retired_dir(runs, step)
-    target.mkdir(parents=True, exist_ok=True)
-    for name in strays:
-        if name in links:  # not kept under runs/: it may point at an answer key
-            os.unlink(reports / name)
-        else:  # never onto an older retired copy of the same set
-            os.replace(reports / name, _free_name(target, name))
+    if strays:
+        target.mkdir(parents=True, exist_ok=True)
+    for name in strays:  # never onto an older retired copy of the same set
+        os.replace(reports / name, _free_name(target, name))
     atomic.fsync_dir(reports)  # gone from the folder before the optimizer is started
     emit("step.retired", level="warning", run=step.run, epoch=step.epoch, step=step.step,
          sets=sorted({f"{key.work}_ep{key.range_label}" for key in strays.values()}),
-         files=len(strays) - len(links), links_removed=len(links), to=str(target))
+         files=len(strays), links_removed=len(links), to=str(target))
 
 
 def _ours(name: str, key: layout.SetKey) -> bool:
