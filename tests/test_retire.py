@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.daemon_helpers import build_workspace, run_once_in_process
 from tests.llm_server import LLMServer
@@ -44,6 +45,17 @@ def test_a_report_of_a_set_the_step_no_longer_has_is_moved_out_before_the_optimi
     assert line["sets"] == ["alpha_ep04-06"] and line["files"] == 3
 
 
+def _a_step_with_one_set(tmp_path: Path) -> tuple[Path, Any, Path, Any]:
+    """runs/, step r1 0 0, its reports folder, and its one set (alpha 01-03), reported."""
+    from skilltrain.daemon.core import layout
+
+    runs = tmp_path / "runs"
+    step = layout.StepKey("r1", 0, 0)
+    kept = layout.SetKey("r1", 0, 0, "alpha", 1, 3)
+    _loss_files(step.reports_dir(runs), "alpha_ep01-03", "kept")
+    return runs, step, step.reports_dir(runs), kept
+
+
 def _loss_files(reports: Path, name: str, text: str) -> None:
     reports.mkdir(parents=True, exist_ok=True)
     for suffix in (".md", ".json", "_prompt.md"):
@@ -54,14 +66,9 @@ def test_two_looks_at_once_retire_each_file_once_and_a_second_retirement_keeps_t
         tmp_path: Path) -> None:
     import threading
 
-    from skilltrain.daemon.core import layout
     from skilltrain.daemon.service import retire
 
-    runs = tmp_path / "runs"
-    step = layout.StepKey("r1", 0, 0)
-    reports = step.reports_dir(runs)
-    kept = layout.SetKey("r1", 0, 0, "alpha", 1, 3)
-    _loss_files(reports, "alpha_ep01-03", "kept")
+    runs, step, reports, kept = _a_step_with_one_set(tmp_path)
     _loss_files(reports, "alpha_ep04-06", "first")
     for first in range(7, 67, 3):  # many strays: the lookers overlap while moving them
         _loss_files(reports, f"alpha_ep{first:02d}-{first + 2:02d}", "stray")
@@ -171,14 +178,9 @@ def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -
     out; every link is removed (it may point at an answer key), not kept."""
     import os
 
-    from skilltrain.daemon.core import layout
     from skilltrain.daemon.service import retire
 
-    runs = tmp_path / "runs"
-    step = layout.StepKey("r1", 0, 0)
-    reports = step.reports_dir(runs)
-    kept = layout.SetKey("r1", 0, 0, "alpha", 1, 3)
-    _loss_files(reports, "alpha_ep01-03", "kept")
+    runs, step, reports, kept = _a_step_with_one_set(tmp_path)
     _loss_files(reports, "alpha_ep001-003", "hand-made")
     key = tmp_path / "data" / "alpha" / "human" / "ep04.txt"
     key.parent.mkdir(parents=True)
