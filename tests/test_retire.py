@@ -258,3 +258,46 @@ def test_a_run_toml_being_written_keeps_the_works_it_named(tmp_path: Path) -> No
     write('works = ["alpha"]\n')
     run_toml.unlink()  # no file: every work
     assert discovery.expects(beta)
+
+
+def test_a_set_that_left_its_step_and_failed_for_good_does_not_hold_the_step(
+        tmp_path: Path) -> None:
+    """run.toml drops beta while its call is in flight: the scan cannot forget
+    its record (claimed), and the call then fails for good (no look to come).
+    Its FAILED record kept the step's count of open sets above 0, so the step
+    whose every set is done waited for the next full scan (a review's repro)."""
+    import threading
+
+    from tests.daemon_helpers import InProcessDaemon, wait_until
+    from tests.llm_server import Reply, Request, default_responder
+
+    beta_in, alpha_in = threading.Event(), threading.Event()
+    release_beta, release_alpha = threading.Event(), threading.Event()
+
+    def answer(request: Request) -> Reply:
+        if "beta" in json.dumps(request.messages):
+            beta_in.set()
+            release_beta.wait(30)
+            return Reply.status(400)
+        alpha_in.set()
+        release_alpha.wait(30)
+        return default_responder(request)
+
+    with LLMServer(default=answer) as server:
+        ws = build_workspace(tmp_path / "ws", server.url, works={"alpha": 3, "beta": 3},
+                             settle_s=0.0, max_attempts=1, llm_timeout_s=30.0,
+                             extra="[integrity]\naudit_on_start = false\n")
+        ws.write_step("r1", 0, 0, success=True)
+        with InProcessDaemon(ws) as d:
+            assert beta_in.wait(30) and alpha_in.wait(30)
+            (ws.runs / "r1" / "run.toml").write_text('works = ["alpha"]\n', encoding="utf-8")
+            d.daemon.reconcile.scan()  # beta is claimed: its record stays
+            time.sleep(2.0)  # the watcher's own rescans, while beta is claimed
+            scans = len(ws.events("scan.completed"))
+            release_beta.set()
+            wait_until(lambda: ws.events("loss.failed"), 30, message="beta failed for good")
+            release_alpha.set()
+            wait_until(lambda: ws.events("step.reported"), 10,
+                       message="the step reported at alpha's end, not at the next scan")
+            assert len(ws.events("scan.completed")) == scans  # no scan did it
+            assert not any("beta" in k for k in d.daemon.state.sets)

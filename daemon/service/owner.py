@@ -32,7 +32,7 @@ from ..core import layout
 from ..core.notify import Heartbeat
 from ..infra import log
 from ..infra.state import SetState, StateStore
-from .decision import NOTHING, Decision, Outcome, Ticket
+from .decision import FORGET, NOTHING, Decision, Outcome, Ticket
 from .revisit import Revisit, Revisits
 from .steps import Steps
 
@@ -157,11 +157,20 @@ class SetOwner:
             self.log.exception("set.error", **key.log_fields())
             decision = NOTHING
         try:
-            self._end(key, decision)
+            self._end(key, self._kept(key, decision))
             self.steps.check_unless_open(key.step_key)
         except Exception:
             self.log.exception("set.error", **key.log_fields())
         self.heartbeat.beat()
+
+    def _kept(self, key: layout.SetKey, decision: Decision) -> Decision:
+        """A set left to wait with no look to come (failed for good, refused,
+        held) that its step no longer has is forgotten: the scan that would
+        have forgotten it ran while it was claimed, and its record would hold
+        the step's barrier until the next one. Not asked of a DONE set."""
+        if decision.state in (None, SetState.DONE) or decision.revisit is not None:
+            return decision
+        return decision if self.steps.folders.expects(key) else FORGET
 
     # ------------------------------------------------------------- applying
     def _end(self, key: layout.SetKey, decision: Decision) -> None:

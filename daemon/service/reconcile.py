@@ -202,9 +202,13 @@ class Reconciler:
 
     def _evaluate_member(self, key: layout.SetKey) -> Decision:
         """A look asked for a while ago: the set may have left its step since (its
-        ranges or works changed); then it is forgotten, never sent. A scan's
-        looks need no such check: it lists the sets the steps have now."""
-        return self.evaluate(key) if self.discovery.expects(key) else FORGET
+        ranges or works changed); then it is forgotten, never sent, and a scan
+        soon lists what the steps have (a human episode saved by rename leaves
+        its work's ranges for a moment). A scan's looks need no such check."""
+        if self.discovery.expects(key):
+            return self.evaluate(key)
+        self.revisits.scan_soon()  # a burst of these makes one scan
+        return FORGET
 
     def look(self, key: layout.SetKey, evaluate: Evaluate | None = None) -> None:
         """Have the owner evaluate the set (unless it is claimed) and apply the decision."""

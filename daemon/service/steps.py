@@ -47,9 +47,8 @@ class Steps:
         self.clock = clock
         self.marker_changed = marker_changed  # the loop waits on it: looks at once
         self.discovery = discovery  # which sets a step is expected to have
-        # A report lands only while its set is one its step has (retire.py).
-        self.folders = retire.StepFolders(self.runs, emit, expects=discovery.expects,
-                                          sets_of_step=discovery.sets_of_step)
+        self.folders = retire.StepFolders(  # a report lands while its set is the step's
+            self.runs, emit, expects=discovery.expects, sets_of_step=discovery.sets_of_step)
         self.backoff = backoff.optimizer(cfg)
         self.failures = 0  # optimizer runs that failed (--once exit code)
         self.kill_optimizer = threading.Event()  # shutdown bound passed: end the optimizer
@@ -71,8 +70,7 @@ class Steps:
 
     # ---------------------------------------------------------------- barrier
     def check_unless_open(self, step: layout.StepKey) -> None:
-        """check(), unless a set record of the step is not DONE: "not yet" without
-        listing its sets (O(works)); a set it no longer has waits for the next scan."""
+        """check(), unless a set record of it is not DONE: "not yet" without a listing."""
         if not self.state.tally.open_in[step.id]:  # an int read: no lock needed
             self.check(step)
 
@@ -99,8 +97,10 @@ class Steps:
         retired = self.folders.retire(step, keys)
         if retired:
             self._report(step, keys)
-        elif retired is None and asked is not None:
-            self.check(step)  # its sets changed since the caller listed them: its sets now
+        elif retired is None and asked is not None:  # its sets changed since the caller
+            self.check(step)  # listed them: again, with its sets now
+        elif retired is None:  # changed since this check listed them: a look soon checks again
+            self._look(keys[0])
 
     def _to_confirm(self, step: layout.StepKey, keys: list[layout.SetKey]
                     ) -> dict[str, Fingerprint | None] | None:
