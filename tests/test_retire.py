@@ -56,6 +56,14 @@ def _a_step_with_one_set(tmp_path: Path) -> tuple[Path, Any, Path, Any]:
     return runs, step, step.reports_dir(runs), kept
 
 
+def _folders(runs: Path, kept: Any, emit: Any) -> Any:
+    """The daemon's gate over a step whose one set is `kept` (retire.StepFolders)."""
+    from skilltrain.daemon.service import retire
+
+    return retire.StepFolders(runs, emit, expects=lambda key: key == kept,
+                              sets_of_step=lambda step: [kept])
+
+
 def _loss_files(reports: Path, name: str, text: str) -> None:
     reports.mkdir(parents=True, exist_ok=True)
     for suffix in (".md", ".json", "_prompt.md"):
@@ -74,9 +82,9 @@ def test_two_looks_at_once_retire_each_file_once_and_a_second_retirement_keeps_t
         _loss_files(reports, f"alpha_ep{first:02d}-{first + 2:02d}", "stray")
     events: list[dict[str, object]] = []
     results: list[bool] = []
-    lookers = [threading.Thread(target=lambda: results.append(retire.retire_strays(
-        runs, step, [kept], lambda event, **f: events.append({"event": event, **f}))))
-        for _ in range(16)]
+    folders = _folders(runs, kept, lambda event, **f: events.append({"event": event, **f}))
+    lookers = [threading.Thread(target=lambda: results.append(bool(folders.retire(
+        step, [kept])))) for _ in range(16)]
     for t in lookers:
         t.start()
     for t in lookers:
@@ -87,7 +95,7 @@ def test_two_looks_at_once_retire_each_file_once_and_a_second_retirement_keeps_t
         "alpha_ep01-03.json", "alpha_ep01-03.md", "alpha_ep01-03_prompt.md"]
 
     _loss_files(reports, "alpha_ep04-06", "second")  # the set came back, and went again
-    assert retire.retire_strays(runs, step, [kept], lambda event, **f: None)
+    assert _folders(runs, kept, lambda event, **f: None).retire(step, [kept])
     retired = retire.retired_dir(runs, step)
     assert (retired / "alpha_ep04-06.md").read_text() == "first"
     assert (retired / "alpha_ep04-06.md.2").read_text() == "second"
@@ -192,8 +200,8 @@ def test_a_link_or_a_hand_made_name_of_a_set_leaves_the_folder(tmp_path: Path) -
     os.symlink(key, reports / "alpha_ep01-03_prompt.md")  # a wanted set's name, as a link
     events: list[dict[str, object]] = []
 
-    assert retire.retire_strays(runs, step, [kept],
-                                lambda event, **f: events.append({"event": event, **f}))
+    assert _folders(runs, kept, lambda event, **f: events.append({"event": event, **f})
+                    ).retire(step, [kept])
 
     assert sorted(p.name for p in reports.iterdir()) == [
         "alpha_ep01-03.json", "alpha_ep01-03.md"]

@@ -39,7 +39,6 @@ from ..core.errors import LeftStepError
 RETIRED = "retired"  # in runs/.skilltrain/
 
 Emit = Callable[..., None]
-_one_at_a_time = threading.Lock()
 
 
 class StepFolders:
@@ -112,10 +111,11 @@ def retire_strays(runs: Path, step: layout.StepKey, expected: Iterable[layout.Se
                   emit: Emit) -> bool:
     """Move the loss files of sets `step` does not have out of its reports folder
     (one `step.retired` line when any). False if that failed: the optimizer
-    would read them, so the step must not be reported (`step.retire_failed`)."""
+    would read them, so the step must not be reported (`step.retire_failed`).
+    Called by StepFolders.retire alone, under its gate: one retirement at a
+    time (the scan's look and a job's end may check one step at once)."""
     try:
-        with _one_at_a_time:  # the scan's look and a job's end may check one step at once
-            _retire(runs, step, {key.id for key in expected}, emit)
+        _retire(runs, step, {key.id for key in expected}, emit)
     except OSError as e:
         emit("step.retire_failed", level="error", run=step.run, epoch=step.epoch,
              step=step.step, reason=str(e))
