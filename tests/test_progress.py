@@ -160,6 +160,31 @@ def test_transitions_weigh_half_what_scene_length_weighs() -> None:
     assert transitions / scenes == pytest.approx(0.5)
 
 
+def test_the_step_before_is_the_last_reported_one_before_a_gap_and_an_epoch(
+    tmp_path: Path,
+) -> None:
+    """step.reported's change is against the last reported step: the step just
+    before when it is reported (one marker read), else the newest reported one."""
+    from skilltrain.daemon.core import layout
+    from skilltrain.daemon.service import curve
+
+    reported = {(0, 0): True, (0, 1): True, (0, 2): False, (1, 0): True}
+    for (epoch, step), done in reported.items():
+        marker = layout.StepKey("r1", epoch, step).marker(tmp_path)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"reported_at": 1.0 if done else None}), encoding="utf-8")
+
+    def before(epoch: int, step: int) -> tuple[int, int] | None:
+        return curve._previous_reported(tmp_path, layout.StepKey("r1", epoch, step))
+
+    assert before(0, 0) is None
+    assert before(0, 1) == (0, 0)  # the step just before
+    assert before(0, 3) == (0, 1)  # step 2 is not reported: the one before it
+    assert before(1, 0) == (0, 1)  # across the epoch
+    assert before(1, 1) == (1, 0)
+    assert before(1, 5) == (1, 0)  # steps 1-4 have no marker at all
+
+
 # ---------------------------------------------------------------- end to end
 
 

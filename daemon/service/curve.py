@@ -69,9 +69,15 @@ def _marker_step(name: str) -> tuple[int, int] | None:
 
 
 def _previous_reported(runs: Path, step: layout.StepKey) -> tuple[int, int] | None:
-    """The last reported step before `step`: markers read newest first, up to the
-    first reported one (reading all of them for every step.reported was quadratic
-    in a run's steps: 20,000 reads for 200 steps at a cold start)."""
+    """The last reported step before `step`: the step just before when it is
+    reported (the common case: one marker read), else the markers read newest
+    first, up to the first reported one. Listing them for every step.reported
+    was linear in the run's steps (1.1 ms a step at ~500 steps; reading them
+    all, 20,000 reads for 200 steps at a cold start)."""
+    if step.step > 0:
+        before = layout.StepKey(step.run, step.epoch, step.step - 1)
+        if _is_reported(before.marker(runs)):
+            return before.epoch, before.step
     markers = layout.markers_dir(runs, step.run)
     for at, name in reversed(_marked_steps(markers)):
         if at < (step.epoch, step.step) and _is_reported(markers / name):
