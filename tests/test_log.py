@@ -298,6 +298,33 @@ def test_a_line_is_sealed_against_the_answer_keys_installed_when_it_is_written(
     assert "crates twice" not in after["note"]
 
 
+def test_the_stamp_is_the_logs_own_so_a_callers_timestamp_cannot_carry_text(
+    log_file: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The seal and the scrub pass the line's timestamp over (it is new on every
+    line): safe only because the log stamps it itself, over any value a caller
+    or a library record gave."""
+    from skilltrain.daemon.guard import leakguard
+
+    passage = "Mara counts the crates twice and never writes the number down anywhere."
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-stamp-test-0123456789abcdefghij")
+    configure(log_file=log_file, stderr=io.StringIO())
+    try:
+        leakguard.install(leakguard.AnswerKeys([leakguard.HumanIndex.build(
+            "docks", {1: f"INT. DOCK - NIGHT\n\n{passage}\n"})]))
+        get_logger().info("test.stamped", timestamp=passage)
+        get_logger().info("test.stamped", timestamp="sk-stamp-test-0123456789abcdefghij")
+        logging.getLogger("somelib").warning("hello", extra={"timestamp": passage})
+    finally:
+        leakguard.install(None)
+    text = log_file.read_text(encoding="utf-8")
+    assert "crates twice" not in text and "sk-stamp-test" not in text
+    lines = read_lines(log_file)
+    assert len(lines) == 3
+    for line in lines:
+        assert datetime.fromisoformat(line["timestamp"]).tzinfo is not None
+
+
 def test_console_on_a_tty_json_otherwise(log_file: Path) -> None:
     tty = FakeTTY()
     configure(log_file=log_file, stderr=tty)

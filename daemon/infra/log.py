@@ -45,7 +45,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 from ..core.dataset import format_range
 from ..core.log_scrub import scrub, scrub_secrets
-from ..core.short_memo import NO_TEXT_TYPES, ShortStringMemo
+from ..core.short_memo import NO_TEXT_TYPES, STAMP_FIELD, ShortStringMemo
 from ..guard import leakguard
 
 __all__ = [
@@ -173,8 +173,9 @@ def _seal_answer_key(_logger: WrappedLogger, _name: str, event_dict: EventDict) 
     keys = leakguard.installed()
     if keys is None or not keys.indexes:
         return event_dict
-    sealed: EventDict = _seal(event_dict, keys)
-    return sealed
+    # The stamp is the log's own (short_memo.STAMP_FIELD): every other string is sealed.
+    return {key: value if key == STAMP_FIELD else _seal(value, keys)
+            for key, value in event_dict.items()}
 
 
 def _order_keys(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
