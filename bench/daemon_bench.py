@@ -232,9 +232,11 @@ def child_env(**extra: str) -> dict[str, str]:
 class DaemonProc:
     """A `skilltrain daemon` subprocess, watched through its log and /proc."""
 
-    def __init__(self, ws: Workspace, *, once: bool = False) -> None:
+    def __init__(self, ws: Workspace, *, once: bool = False,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.ws = ws
         self.once = once
+        self.extra_env = extra_env or {}  # bench/cpu_breakdown.py: the CPU probe
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0  # monotonic, just before Popen
         self.peak_rss_kb = 0
@@ -260,7 +262,7 @@ class DaemonProc:
             self.started_at = time.monotonic()
             self.proc = subprocess.Popen(
                 argv,
-                env=child_env(),
+                env=child_env(**self.extra_env),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
