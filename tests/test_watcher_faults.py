@@ -422,3 +422,26 @@ def test_a_hint_that_raises_is_a_warning_and_a_rescan_not_a_dead_watcher(
     assert errors[0] == {"level": "warning", "error": "RuntimeError",
                          "path": str(tmp_path / "ep01.txt")}
     assert len(errors) == 1 and len(rescans) == 1
+
+
+def test_watchdogs_double_watch_warning_never_kills_a_later_watcher(tmp_path: Path) -> None:
+    """watchdog warns when it adds a new folder's watch twice (a RuntimeWarning,
+    raised in its emitter thread). The daemon ignores it, but a filter set once
+    at import is gone after any warnings.catch_warnings() (pytest's, around
+    each test): under -W error the warning then killed a later daemon's emitter
+    thread, and its events with it (a flake of test_retire). Each start says it
+    again."""
+    import warnings
+
+    from skilltrain.daemon.service.watcher import Watcher
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as pytest's -W error, set after the import
+        watcher = Watcher(tmp_path, "native", lambda path: None, lambda event, **kw: None,
+                          rescan=lambda: None)
+        watcher.start()
+        try:
+            warnings.warn("Callback with id '1' already exists for watch <w>. "
+                          "It will be Overwritten.", RuntimeWarning, stacklevel=1)
+        finally:
+            watcher.stop()

@@ -49,10 +49,17 @@ from ..core import layout
 
 SYSCTL = "fs.inotify.max_user_watches"
 
-# watchdog warns when a new folder's watch is added twice (a folder created
-# and seen by two events). Harmless; as an error (pytest -W error) it would
-# kill the emitter thread, and in production it prints a non-JSON line.
-warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
+
+def _quiet_double_watch() -> None:
+    """watchdog warns when a new folder's watch is added twice (a folder created
+    and seen by two events). Harmless; as an error (pytest -W error) it kills
+    the emitter thread, and in production it prints a non-JSON line. Said at
+    every start, not once at import: the filters are the process's, and a
+    warnings.catch_warnings() since the import (pytest's, around every test)
+    took it away again, so a later daemon's watcher died of it."""
+    warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
+
+
 # Only what can change a set. Asked of the kernel, not filtered afterwards:
 # unrequested IN_OPEN/IN_CLOSE_NOWRITE events still fill inotify's queue, and
 # on a tree of 60,000 folders every scan (which opens each folder) overflowed
@@ -118,6 +125,7 @@ class Watcher:
         self._scheduled: dict[tuple[Path, bool], ObservedWatch] = {}  # (folder, recursive)
 
     def start(self) -> None:
+        _quiet_double_watch()
         self.runs.mkdir(parents=True, exist_ok=True)
         self.root_ino = self.runs.stat().st_ino
         with self._swap:
