@@ -298,31 +298,48 @@ def test_a_line_is_sealed_against_the_answer_keys_installed_when_it_is_written(
     assert "crates twice" not in after["note"]
 
 
-def test_the_stamp_is_the_logs_own_so_a_callers_timestamp_cannot_carry_text(
+def test_the_stamp_is_the_logs_own_so_a_timestamp_from_elsewhere_cannot_carry_text(
     log_file: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The seal and the scrub pass the line's timestamp over (it is new on every
-    line): safe only because the log stamps it itself, over any value a caller
-    or a library record gave."""
+    line) only in the stamper's own form. A caller's, a context's or a plain
+    library record's value is stamped over; a record that skipped our
+    structlog chain (a library's own chain ending in wrap_for_formatter, or
+    extra=_logger/_name) keeps its own, so it is sealed and scrubbed like any
+    field, and such a library's debug record is withheld like any other."""
+    import structlog
+
     from skilltrain.daemon.guard import leakguard
 
     passage = "Mara counts the crates twice and never writes the number down anywhere."
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-stamp-test-0123456789abcdefghij")
-    configure(log_file=log_file, stderr=io.StringIO())
+    secret = "sk-stamp-test-0123456789abcdefghij"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    configure(log_file=log_file, stderr=io.StringIO(), level="debug")
+    library = structlog.wrap_logger(
+        logging.getLogger("somelib"), wrapper_class=structlog.stdlib.BoundLogger,
+        processors=[structlog.stdlib.ProcessorFormatter.wrap_for_formatter])
     try:
         leakguard.install(leakguard.AnswerKeys([leakguard.HumanIndex.build(
             "docks", {1: f"INT. DOCK - NIGHT\n\n{passage}\n"})]))
         get_logger().info("test.stamped", timestamp=passage)
-        get_logger().info("test.stamped", timestamp="sk-stamp-test-0123456789abcdefghij")
+        get_logger().info("test.stamped", timestamp=secret)
         logging.getLogger("somelib").warning("hello", extra={"timestamp": passage})
+        library.info("lib.stamped", timestamp=passage)
+        library.info("lib.stamped", timestamp=secret, note=secret)
+        library.debug("lib.debug", note="a library's debug record")
+        logging.getLogger("somelib").warning({"event": "forged", "timestamp": passage},
+                                             extra={"_logger": None, "_name": "warning"})
     finally:
         leakguard.install(None)
     text = log_file.read_text(encoding="utf-8")
     assert "crates twice" not in text and "sk-stamp-test" not in text
+    assert "a library's debug record" not in text
     lines = read_lines(log_file)
-    assert len(lines) == 3
-    for line in lines:
+    assert len(lines) == 7
+    for line in lines[:3]:  # stamped by the log
         assert datetime.fromisoformat(line["timestamp"]).tzinfo is not None
+    assert [line["event"] for line in lines[3:]] == [
+        "lib.stamped", "lib.stamped", "library.withheld", "forged"]
 
 
 def test_console_on_a_tty_json_otherwise(log_file: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from structlog.typing import EventDict, WrappedLogger
 
-from .short_memo import NO_TEXT_TYPES, STAMP_FIELD, ShortStringMemo
+from .short_memo import NO_TEXT_TYPES, STAMP_FIELD, ShortStringMemo, is_stamp
 
 REDACTED = "[redacted]"
 
@@ -136,7 +136,11 @@ def scrub_secrets(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> 
     """Processor: scrub every field, including a rendered `exception`."""
     # exc_info (True, a tuple or an exception) is rendered later, then scrubbed.
     exc_info = event_dict.pop("exc_info", None)
-    stamp = event_dict.pop(STAMP_FIELD, None)
+    stamp = event_dict.get(STAMP_FIELD)
+    if is_stamp(STAMP_FIELD, stamp):  # the log's own: nothing to scrub (short_memo)
+        del event_dict[STAMP_FIELD]
+    else:
+        stamp = None
     scrubbed: EventDict = scrub(event_dict)
     if stamp is not None:
         scrubbed[STAMP_FIELD] = stamp

@@ -6,6 +6,7 @@ emptied when the owner changes or the memo is full. Long strings are not kept.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,8 +17,16 @@ NO_TEXT_TYPES = frozenset({type(None), bool, int, float})
 # A line's own time, stamped by the log itself (structlog's TimeStamper, which
 # overwrites any value a caller gave): no outside text in it. New on every
 # line, it was a third of a line's scrub and seal, and it filled the memos
-# with strings never seen again (each emptied every ~1,000 lines).
+# with strings never seen again (each emptied every ~1,000 lines). Passed over
+# only in the stamper's exact form: a record that skipped our chain (a
+# library's own structlog chain) may carry any text under the name.
 STAMP_FIELD = "timestamp"
+_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?Z")
+
+
+def is_stamp(key: str, value: Any) -> bool:
+    """Is this field the log's own timestamp (nothing to scrub or seal in it)?"""
+    return key == STAMP_FIELD and type(value) is str and _STAMP.fullmatch(value) is not None
 
 
 class ShortStringMemo:

@@ -45,7 +45,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 from ..core.dataset import format_range
 from ..core.log_scrub import scrub, scrub_secrets
-from ..core.short_memo import NO_TEXT_TYPES, STAMP_FIELD, ShortStringMemo
+from ..core.short_memo import NO_TEXT_TYPES, ShortStringMemo, is_stamp
 from ..guard import leakguard
 
 __all__ = [
@@ -122,7 +122,7 @@ def _withhold_library_records(_logger: WrappedLogger, _name: str,
     debug logs every request (the prompt, hence the human text) and reply.
     """
     record = event_dict.get("_record")
-    if event_dict.get("_from_structlog") or not isinstance(record, logging.LogRecord):
+    if _is_own(event_dict) or not isinstance(record, logging.LogRecord):
         return event_dict
     if record.name.startswith(_OWN_LOGGERS):
         return event_dict
@@ -173,8 +173,8 @@ def _seal_answer_key(_logger: WrappedLogger, _name: str, event_dict: EventDict) 
     keys = leakguard.installed()
     if keys is None or not keys.indexes:
         return event_dict
-    # The stamp is the log's own (short_memo.STAMP_FIELD): every other string is sealed.
-    return {key: value if key == STAMP_FIELD else _seal(value, keys)
+    # The stamp is the log's own (short_memo.is_stamp): every other string is sealed.
+    return {key: value if is_stamp(key, value) else _seal(value, keys)
             for key, value in event_dict.items()}
 
 
@@ -207,7 +207,7 @@ def _configure_structlog() -> None:
             # Also here, not only in our formatters: any other handler on the root
             # logger (pytest's capture, a library's) sees this dict as record.msg.
             scrub_secrets,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+            _wrap_own_record,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
@@ -228,12 +228,32 @@ def _guarded(render_exception: Processor) -> list[Processor]:
 
 
 _SCRUBBED = "_skilltrain_scrubbed"
+# On every record our own structlog chain makes, and nowhere else: structlog
+# tells its records from others' by two attributes (_logger, _name) that any
+# record can carry (a library's own structlog chain, or extra=), and such a
+# record skips foreign_pre_chain, our TimeStamper with it.
+_OWN_ATTR = "_skilltrain_own"
+_OWN = object()
+
+
+def _wrap_own_record(logger: WrappedLogger, name: str,
+                     event_dict: EventDict) -> tuple[tuple[EventDict], dict[str, Any]]:
+    """ProcessorFormatter.wrap_for_formatter, the record marked as ours."""
+    args, kwargs = structlog.stdlib.ProcessorFormatter.wrap_for_formatter(
+        logger, name, event_dict)
+    kwargs["extra"][_OWN_ATTR] = _OWN
+    return args, kwargs
+
+
+def _is_own(event_dict: EventDict) -> bool:
+    """Did the line come through our structlog chain (scrubbed and stamped there)?"""
+    return getattr(event_dict.get("_record"), _OWN_ATTR, None) is _OWN
 
 
 def _remove_meta(logger: WrappedLogger, name: str, event_dict: EventDict) -> EventDict:
-    """ProcessorFormatter.remove_processors_meta, noting what `_from_structlog`
-    said: a line of ours passed scrub_secrets in structlog's chain already."""
-    ours = event_dict.get("_from_structlog")
+    """ProcessorFormatter.remove_processors_meta, noting that a line of ours
+    (_is_own) passed scrub_secrets in structlog's chain already."""
+    ours = _is_own(event_dict)
     event_dict = structlog.stdlib.ProcessorFormatter.remove_processors_meta(
         logger, name, event_dict)
     if ours:
