@@ -54,10 +54,14 @@ def _quiet_double_watch() -> None:
     """watchdog warns when a new folder's watch is added twice (a folder created
     and seen by two events). Harmless; as an error (pytest -W error) it kills
     the emitter thread, and in production it prints a non-JSON line. Said at
-    every start, not once at import: the filters are the process's, and a
-    warnings.catch_warnings() since the import (pytest's, around every test)
-    took it away again, so a later daemon's watcher died of it."""
-    warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
+    import and again at every start: the filters are the process's, and a
+    warnings.catch_warnings() that began before a start (pytest's, around
+    every test) takes it away when it ends."""
+    warnings.filterwarnings("ignore", message="Callback with id '.*' already exists",
+                            category=RuntimeWarning)
+
+
+_quiet_double_watch()
 
 
 # Only what can change a set. Asked of the kernel, not filtered afterwards:
