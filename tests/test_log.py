@@ -397,3 +397,27 @@ def test_litellm_handlers_are_adopted() -> None:
         assert own not in lib.handlers and lib.propagate
     finally:
         lib.removeHandler(own)
+
+
+def test_a_line_after_shutdown_goes_nowhere_not_to_stderr_unsealed(tmp_path: Path) -> None:
+    """With no handler left, logging's lastResort printed a late line's fields
+    (a thread's, at exit) to stderr: scrubbed, never sealed."""
+    import subprocess
+    import sys
+
+    passage = "Mara counts the crates twice and never writes the number down anywhere."
+    script = f"""
+import io
+from pathlib import Path
+from skilltrain.daemon.infra import log
+from skilltrain.daemon.guard import leakguard
+log.configure(log_file=Path({str(tmp_path / "d.log")!r}), stderr=io.StringIO())
+leakguard.install(leakguard.AnswerKeys([leakguard.HumanIndex.build("docks", {{1: {passage!r}}})]))
+log.shutdown()
+log.get_logger("skilltrain.daemon").warning("late.audit", note={passage!r})
+import logging; logging.getLogger("somelib").error({passage!r})
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr
+    assert "crates twice" not in result.stderr + result.stdout

@@ -85,6 +85,7 @@ _MAX_EXC_VALUE = 1000
 _KEY_ORDER = ("timestamp", "level", "event", "run", "epoch", "step", "work", "range", "job_id")
 
 _handlers: list[logging.Handler] = []
+_AFTER_SHUTDOWN = logging.NullHandler()  # on the root between shutdown() and configure()
 _structlog_ready = False
 
 
@@ -389,6 +390,7 @@ def configure(
 
     shutdown()
     root = logging.getLogger()
+    root.removeHandler(_AFTER_SHUTDOWN)
     json_lines = _RenderOnce(_json_formatter())
     console = logging.StreamHandler(stderr)
     if _wants_console(stderr, stderr_format):
@@ -427,12 +429,15 @@ def _skip_unused_record_fields() -> None:
 
 
 def shutdown() -> None:
-    """Flush, detach and close the handlers configure() installed."""
+    """Flush, detach and close the handlers configure() installed. A line after
+    this (a thread's, at exit) goes nowhere: with no handler at all, logging's
+    lastResort would print its fields to stderr unsealed."""
     root = logging.getLogger()
     for handler in _handlers:
         root.removeHandler(handler)
         handler.close()
     _handlers.clear()
+    root.addHandler(_AFTER_SHUTDOWN)
 
 
 def adopt_library_loggers() -> None:
