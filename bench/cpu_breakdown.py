@@ -59,7 +59,9 @@ def probe_run(sets: int, per_step: int, base: Path | None) -> dict[str, Any]:
             lines = [json.loads(line) for line in out.read_text().splitlines()]
     finally:
         server.stop()
-    before = max((s for s in lines if s["wall"] <= first), key=lambda s: s["wall"])
+    # The probe's last sample before the first request (its first, if none was).
+    before = max((s for s in lines if s["wall"] <= first), key=lambda s: s["wall"],
+                 default=lines[0])
     return {"before": before, "after": lines[-1], "jobs": done, "messages": messages}
 
 
