@@ -71,7 +71,8 @@ def _thread_cpu() -> dict[str, float]:
     out: dict[str, float] = {}
     for thread in threading.enumerate():
         try:
-            raw = open(f"/proc/self/task/{thread.native_id}/stat").read()
+            with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+                raw = stat.read()
         except (OSError, TypeError):
             continue
         fields = raw[raw.rindex(")") + 2:].split()
