@@ -98,14 +98,15 @@ class Outcomes:
         except Abandoned:
             return Decision.write(SetState.QUEUED, reason="abandoned at shutdown")
 
-    def _spent(self, run: str, paid: llm.Completion | None) -> dict[str, Any]:
-        """A reply paid for but not written, in the run's spend (not a report); its
+    def _spent(self, run: str, paid: llm.Completion | None, *,
+               report: bool = False) -> dict[str, Any]:
+        """A reply paid for, in the run's spend (a report, or not: refused); its
         tokens and cost for the event (Prometheus counts them from there)."""
         if paid is None:
             return {}
         self.state.add_spend(run, paid.tokens_in, paid.tokens_out, paid.tokens_cached,
                              paid.cost_usd, tokens_cache_write=paid.tokens_cache_write,
-                             report=False)
+                             report=report)
         return {"tokens_in": paid.tokens_in, "tokens_out": paid.tokens_out,
                 "tokens_cached": paid.tokens_cached,
                 "tokens_cache_write": paid.tokens_cache_write, "cost_usd": paid.cost_usd}
@@ -123,15 +124,12 @@ class Outcomes:
     def _completed(self, key: layout.SetKey, fp: Fingerprint,
                    result: loss.LossResult) -> Decision:
         c = result.completion
-        self.state.add_spend(key.run, c.tokens_in, c.tokens_out, c.tokens_cached,
-                                     c.cost_usd, tokens_cache_write=c.tokens_cache_write)
+        paid = self._spent(key.run, c, report=True)
         # Logged before the set turns DONE: DONE may complete the step, and
         # step.reported must come after the step's last loss.completed.
-        self.emit("loss.completed", report=str(result.report_path), tokens_in=c.tokens_in,
-                  tokens_out=c.tokens_out, tokens_cached=c.tokens_cached, cost_usd=c.cost_usd,
+        self.emit("loss.completed", report=str(result.report_path), **paid,
                   duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
-                  attempts=c.attempts, tokens_cache_write=c.tokens_cache_write,
-                  craft_distance=result.sidecar.get("craft_distance"),
+                  attempts=c.attempts, craft_distance=result.sidecar.get("craft_distance"),
                   **result.claims.event_fields())
         self.steps.reopen(key)
         return Decision.write(SetState.DONE, reason=None, attempts=0, next_retry_at=None,
