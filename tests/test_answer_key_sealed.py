@@ -143,11 +143,11 @@ def test_quotes_in_every_disguise_and_from_other_ranges_are_redacted(
 def test_provider_errors_echoing_the_prompt_never_reach_log_or_state(
         tmp_path: Path, llm_server: LLMServer) -> None:
     # Class 4: an error body that echoes the prompt, upper-cased, pipe-joined,
-    # zero-width-joined or JSON-escaped; by 400s (final) and 5xx (retried).
+    # zero-width-joined, JSON-escaped or base64; by 400s (final) and 5xx (retried).
     # By set, not by arrival (the four jobs run at once): the first two sets
     # seen get a 5xx first (retried once), every other request a 400.
     disguise = itertools.cycle(["upper-cased", "pipe-joined", "zero-width-joined",
-                                "JSON-escaped"])
+                                "JSON-escaped", "base64"])
     requests: dict[str, int] = {}
     lock = threading.Lock()
 

@@ -753,9 +753,11 @@ def test_markup_invisible_characters_and_letter_variants_do_not_hide_a_quote(
 def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:
     text = "He grab`bed it, what_in_the_world, Wouldn`t he?"
     views = textnorm.readings(text, offsets=True)
-    assert [v.tokens for v in views] == [
+    assert [v.tokens for v in views[:2]] == [
         ["he", "grab", "bed", "it", "what", "in", "the", "world", "wouldn", "t", "he"],
         ["he", "grabbed", "it", "whatintheworld", "wouldnt", "he"]]
+    assert views[2].tokens == [  # the first in rot13 ("gur" is "the")
+        "ur", "teno", "orq", "vg", "jung", "va", "gur", "jbeyq", "jbhyqa", "g", "ur"]
     spans = views[1].token_spans()
     assert [text[s:e] for s, e in spans.values()] == [
         "He", "grab`bed", "it", "what_in_the_world", "Wouldn`t", "he"]
@@ -802,3 +804,59 @@ def test_marks_alone_are_cut_as_the_offsets_reading_cuts_them() -> None:
         unmarked = text.translate(str.maketrans("", "", "`*_~\\"))
         joined += len(plain) > len(textnorm.readings(unmarked))
     assert joined > 1000  # the marks' reading was made, not only the plain one
+
+
+ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 76",
+                     "base64 of base64", "base64 of escaped", "hex", "hex bytes apart", "rot13"]
+
+
+@pytest.mark.parametrize("disguise", ENCODED_DISGUISES)
+def test_a_quote_in_an_encoding_is_found_and_its_whole_run_cut(disguise: str) -> None:
+    # Rule 1's "text in an encoding": a model asked to hide a line can write it
+    # in base64, hex or rot13. Every quotable line of the corpus key, in a
+    # report's prose; the cut takes the encoded run and leaves the prose.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    for line in adversarial.quotable_lines(key):
+        encoded = adversarial.DISGUISES[disguise](line).strip()
+        report = adversarial.report_quoting(encoded)
+        leaks = find_leaks(report, index)
+        assert len(leaks) == 1, line
+        cut_away = report[leaks[0].start:leaks[0].end]
+        assert cut_away in encoded  # all of it but its end's punctuation (rot13's words)
+        assert not any(c.isalnum() for c in encoded.replace(cut_away, "", 1))
+        cut = redact(report, leaks)
+        assert "The model explains the same beat twice." in cut
+        assert find_leaks(cut, index) == []
+        assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
+
+
+def test_runs_that_decode_to_no_text_are_not_read() -> None:
+    # A digest, a path, an identifier, a token: base64 or hex by their letters,
+    # but what they decode to is not text, so no reading is added for them.
+    plain = [
+        "report_sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+        "/mnt/benchfs/skilltrain-bench-cpuprobe-e0_b1/runs/bench/epoch_01/step_02",
+        "internationalizationalism antidisestablishmentarianism",
+        "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789abcdefGHIJ",
+        "de ad be ef ca fe ba be 00 01 02 03 04 05 06 07 08 09",
+    ]
+    for text in plain:
+        assert len(textnorm.readings(text)) == len(textnorm.readings(text, encoded_levels=0))
+
+
+def test_an_encoded_run_is_read_once_per_run_and_never_across_two() -> None:
+    # Two runs side by side are two readings: a shingle across their seam
+    # would cut the prose between them.
+    import base64
+
+    first, second = (base64.b64encode(s.encode()).decode() for s in
+                     ("the farm was never his", "to sell at any price"))
+    views = textnorm.readings(f"{first} and then {second}", offsets=True)
+    encoded = views[2:]  # after the first reading and its rot13; each run's, in rot13 too
+    assert [v.tokens for v in encoded[::2]] == [["the", "farm", "was", "never", "his"],
+                                                ["to", "sell", "at", "any", "price"]]
+    assert {(v.starts[0], v.ends[-1]) for v in encoded} == {  # type: ignore[index]
+        (0, len(first)), (len(first) + 10, len(first) + 10 + len(second))}

@@ -35,6 +35,9 @@ Steps, in order:
    inside a word. A person reads through them; the split reading stays
    beside it for words joined by them (what_in_the_world). The claims
    parser reads statistic names this way too (`words_as_read`).
+5. Text in an encoding (textnorm_encoded): the first reading in rot13, and
+   what each base64 or hex run decodes to, read by steps 1-5 in turn (base64
+   of base64 too), each character of it mapped to the whole run.
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
@@ -58,12 +61,17 @@ import html
 import re
 import unicodedata
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+from . import textnorm_encoded
+from .textnorm_reading import WORD as _WORD
+from .textnorm_reading import Reading
 
 DECODE_LEVELS = 4
+# base64 of base64 of the key is read; a third encoding is not looked into.
+ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 2
+VERSION = 3
 
 _APOSTROPHE = "'"
 # One pattern per escape family, each with a literal first character: the
@@ -231,7 +239,6 @@ _ASCII_UPPER = str.maketrans({chr(c): chr(c + 32) for c in range(65, 91)})
 _ASCII_TABLE = bytes(
     (c + 32 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32 for c in range(256)
 )
-_WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
 # Markup a reader does not see inside a word: Markdown's emphasis and code
 # marks, a backtick typed for an apostrophe, a hyphen where a line broke a word.
 _HYPHEN_BREAK = re.compile(r"-\r?\n[ \t]*")
@@ -242,38 +249,6 @@ _TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]{0,20}(?:\s[^<>]{0,200})?/?>|<!--.{0,2
 _MARK_RUN = re.compile(r"[`*_~\\](?<=[^\W_][`*_~\\])[`*_~\\]*(?=[^\W_])")
 # A soft hyphen where a line breaks (and the spaces around the break).
 _SOFT_BREAK = re.compile(r"\u00ad[ \t]*\r?\n[ \t]*")
-
-
-@dataclass
-class Reading:
-    """One normalised reading of a text: its words, and where each came from.
-
-    `starts[i]`/`ends[i]`: the span of original characters that produced
-    character i of `text` (None while no escape was decoded and no character
-    folded: then text and original share offsets).
-    """
-
-    original: str
-    text: str
-    starts: list[int] | None = None
-    ends: list[int] | None = None
-    tokens: list[str] = field(default_factory=list)
-    # Tokens that differ from the first reading's (None: any may): only the
-    # shingles over them need a look (the markup reading: the joined words).
-    focus: frozenset[int] | None = None
-
-    def token_spans(self, wanted: set[int] | None = None) -> dict[int, tuple[int, int]]:
-        """(start, end) in the original text of the tokens numbered `wanted` (default all)."""
-        spans: dict[int, tuple[int, int]] = {}
-        last = max(wanted) if wanted else -1
-        starts, ends = self.starts, self.ends
-        for i, m in enumerate(_WORD.finditer(self.text)):
-            if wanted is None or i in wanted:
-                s, e = m.span()
-                spans[i] = (s, e) if starts is None or ends is None else (starts[s], ends[e - 1])
-                if i == last:
-                    break
-        return spans
 
 
 def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], text: str,
@@ -326,16 +301,24 @@ def _words(text: str) -> list[str]:
     return [w.replace(_APOSTROPHE, "") for w in _WORD.findall(text)]
 
 
-def readings(text: str, *, offsets: bool = False) -> list[Reading]:
+def readings(text: str, *, offsets: bool = False,
+             encoded_levels: int = ENCODED_LEVELS) -> list[Reading]:
     """The readings of `text`: one, or three when it has format characters;
-    each once more with mid-word markup joined when it has some (`_joined`).
+    each once more with mid-word markup joined when it has some (`_joined`);
+    the first in rot13; then those of the text its base64
+    or hex runs decode to (textnorm_encoded), down to `encoded_levels` deep.
 
     With offsets=False the origin lists are not built (the check of a clean
     text needs none); call again with offsets=True to map a hit back. The
     list has the same length and order either way.
     """
     out = _readings(text, offsets)
-    return out + [j for r in out if (j := _joined(r, offsets)) is not None]
+    out += [j for r in out if (j := _joined(r, offsets)) is not None]
+    out.append(textnorm_encoded.rot13_reading(out[0]))
+    if encoded_levels:
+        out += textnorm_encoded.encoded_readings(text, offsets, lambda inner, at: readings(
+            inner, offsets=at, encoded_levels=encoded_levels - 1))
+    return out
 
 
 def _readings(text: str, offsets: bool) -> list[Reading]:

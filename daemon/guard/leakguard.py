@@ -188,6 +188,8 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
     spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
     allowed: _Allowed | None = None
     for k, view in enumerate(views):
+        if view.screen_first and not index.may_match(view.tokens):
+            continue  # its words are not the key's: no run of them can be
         key = (k, index.n, index.long_n)
         hashes = hashed.get(key) if hashed is not None else None
         if hashes is None:

@@ -5,6 +5,8 @@ Stdlib only, so bench/leakguard_bench.py uses the same attacks as the tests.
 
 from __future__ import annotations
 
+import base64
+import codecs
 import json
 import re
 import urllib.parse
@@ -113,6 +115,16 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "small capitals": lambda s: s.translate(_SMALL_CAPITALS),
     "Latin alpha and script g": lambda s: s.replace("a", "\u0251").replace("g", "\u0261"),
     "Latin letters with hooks": lambda s: s.replace("d", "\u0257").replace("h", "\u0266"),
+    # Encodings a model can write a line in (rule 1: "text in an encoding").
+    "base64": lambda s: base64.b64encode(s.encode()).decode(),
+    "base64 URL-safe, unpadded": lambda s: base64.urlsafe_b64encode(
+        s.encode()).decode().rstrip("="),
+    "base64 wrapped at 76": lambda s: base64.encodebytes(s.encode()).decode(),
+    "base64 of base64": lambda s: base64.b64encode(base64.b64encode(s.encode())).decode(),
+    "base64 of escaped": lambda s: base64.b64encode(json.dumps(s).encode()).decode(),
+    "hex": lambda s: s.encode().hex(),
+    "hex bytes apart": lambda s: s.encode().hex(" "),
+    "rot13": lambda s: codecs.encode(s, "rot13"),
 }
 
 
@@ -153,4 +165,5 @@ def error_echoes(prompt: str) -> dict[str, str]:
         "pipe-joined": "tokens: " + "|".join(tail.split()),
         "zero-width-joined": "bad input " + "\u200b".join(tail.split()),
         "JSON-escaped": "body=" + json.dumps({"messages": [{"content": tail}]}),
+        "base64": "request_b64=" + base64.b64encode(tail.encode()).decode(),
     }
