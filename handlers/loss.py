@@ -278,8 +278,7 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
                            f"{completion.tokens_out:,} tokens out)")
 
     # One seal for the job: what its guard found clean the writer need not read again.
-    seal = sealed_write.Seal(prepared.key_index, allow_text="\n".join(model.values()),
-                             others=prepared.other_keys)
+    seal = seal_of(prepared)
     report, leaks = _guard(report, job, seal, on_leak)
     claims = craft_claims.check_report(report, prepared.human_stats, prepared.model_stats)
     if on_contradiction == "refuse" and claims.too_contradicted(refuse_share):
@@ -338,6 +337,13 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
                       hashes=hashes, completion=completion, prompt_chars=len(prepared.prompt),
                       prompt_tokens=prepared.prompt_tokens, leaks_redacted=leaks,
                       duration_ms=duration_ms, claims=claims, sidecar=sidecar)
+
+
+def seal_of(prepared: Prepared) -> sealed_write.Seal:
+    """The seal a job's files are written under: its work's key, every other
+    work's, and the model's episodes (a report may quote them)."""
+    return sealed_write.Seal(prepared.key_index, allow_text="\n".join(prepared.model.values()),
+                             others=prepared.other_keys)
 
 
 def _contradicted(job: LossJob, claims: craft_claims.ClaimCheck,

@@ -45,6 +45,60 @@ def test_a_report_of_a_set_the_step_no_longer_has_is_moved_out_before_the_optimi
     assert line["sets"] == ["alpha_ep04-06"] and line["files"] == 3
 
 
+def test_a_set_that_comes_back_unchanged_gets_its_retired_report_back_unpaid(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # A human episode gone for a while (a sync that deletes and rewrites
+    # data/): the set's report was retired; when the set comes back with the
+    # very inputs of that report, the report comes back, no call is made, and
+    # the optimizer learns from it again. Changed inputs are paid for afresh.
+    record = tmp_path / "optimizer.jsonl"
+    optimizer = (f'[optimizer]\ncommand = ["{sys.executable}", "{RECORDER}", "{record}", "0", '
+                 '"-", "{reports_dir}"]\n')
+    ws = build_workspace(tmp_path / "ws", llm_server.url, works={"alpha": 6},
+                         extra="[integrity]\naudit_on_start = false\n" + optimizer)
+    ws.write_step("r1", 0, 0, success=True)
+    run_once_in_process(ws)
+    reports = ws.runs / "r1" / "loss" / "epoch_00" / "step_00"
+    names = ["alpha_ep04-06.json", "alpha_ep04-06.md", "alpha_ep04-06_prompt.md"]
+    first = {name: (reports / name).read_bytes() for name in names}
+    episode = ws.data / "alpha" / "human" / "ep06.txt"
+    kept = episode.read_bytes()
+    episode.unlink()
+    run_once_in_process(ws)
+    retired = ws.runs / ".skilltrain" / "retired" / "r1" / "epoch_00" / "step_00"
+    assert sorted(p.name for p in retired.iterdir()) == names
+    calls = len(llm_server.requests)
+
+    episode.write_bytes(kept)  # back as it was
+    run_once_in_process(ws)
+
+    assert len(llm_server.requests) == calls  # nothing sent for it
+    assert {name: (reports / name).read_bytes() for name in names} == first
+    # Back in its folder; the range it replaced (04-05) is the one retired now.
+    assert sorted(p.name for p in retired.iterdir()) == [n.replace("04-06", "04-05")
+                                                        for n in names]
+    (back,) = [e for e in ws.events("loss.completed") if e.get("reused_from")]
+    assert back["range"] == "04-06" and back["reused_from"] == str(retired)
+    assert back["cost_usd"] == 0 and back["tokens_in"] == 0  # nothing paid
+    assert back["claims_status"] == json.loads(first["alpha_ep04-06.json"])["claims"]["status"]
+    runs = [json.loads(line)["dirs"][str(reports)] for line in record.read_text().splitlines()]
+    assert "alpha_ep04-06.md" in runs[-1] and "alpha_ep04-05.md" not in runs[-1]
+
+    # Gone again, and back with one model episode changed: paid for afresh.
+    episode.unlink()
+    run_once_in_process(ws)
+    scripts = ws.runs / "r1" / "epoch_00" / "step_00" / "alpha" / "scripts"
+    (scripts / "ep05.txt").write_text((scripts / "ep05.txt").read_text() + "\nMore.\n")
+    episode.write_bytes(kept)
+    calls = len(llm_server.requests)
+    time.sleep(0.05)
+    run_once_in_process(ws)
+    assert len(llm_server.requests) > calls
+    assert (retired / "alpha_ep04-06.md").exists()  # its inputs differ: left where it is
+    assert (reports / "alpha_ep04-06.md").read_bytes() != first["alpha_ep04-06.md"] or \
+        (reports / "alpha_ep04-06.json").read_bytes() != first["alpha_ep04-06.json"]
+
+
 def _a_step_with_one_set(tmp_path: Path) -> tuple[Path, Any, Path, Any]:
     """runs/, step r1 0 0, its reports folder, and its one set (alpha 01-03), reported."""
     from skilltrain.daemon.core import layout

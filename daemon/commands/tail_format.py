@@ -122,6 +122,8 @@ def tokens_text(rec: Record) -> str:
 
 
 def _f_loss_completed(rec: Record) -> list[str]:
+    if rec.get("reused_from"):  # a retired report back, unpaid (pipeline.reuse)
+        return ["its retired report back (same inputs), unpaid"]
     parts = [tokens_text(rec), usd(rec.get("cost_usd")), _secs(rec.get("duration_ms"))]
     if rec.get("leaks_redacted"):
         parts.append(f"leaks_redacted={rec['leaks_redacted']}")

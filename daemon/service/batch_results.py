@@ -84,8 +84,7 @@ class Results:
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
         self.key_at_provider = KeyAtProvider(emit)  # runs told where their key now is
-        # set id -> the outcome its owner waits on, for each set a record carries
-        self._outcomes: dict[str, tuple[Ticket, Outcome]] = {}
+        self._outcomes: dict[str, tuple[Ticket, Outcome]] = {}  # a carried set's, by its id
 
     # ------------------------------------------------------------ live once
     def send_live(self, set_id: str) -> None:
@@ -94,10 +93,9 @@ class Results:
 
     def take_live(self, set_id: str) -> bool:
         with self._lock:
-            if set_id in self._live:
-                self._live.discard(set_id)
-                return True
-            return False
+            taken = set_id in self._live
+            self._live.discard(set_id)
+            return taken
 
     # ------------------------------------------------------------ the owner's outcomes
     def _carry(self, ticket: Ticket, outcome: Outcome) -> None:
@@ -148,8 +146,12 @@ class Results:
                 continue
             try:
                 prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
+                reused = self.pipeline.reuse(ticket, prepared)
             except Exception as e:  # refused input, a template error: as a live job says it
                 self._run(ticket, _raiser(e))
+                continue
+            if reused is not None:  # its retired report is back: nothing to upload
+                self._decided(ticket.key.id, reused)
                 continue
             custom_id = f"s{n:04d}"
             items.append(BatchItem(custom_id, ticket.key.id, prepared.hashes.as_dict(),

@@ -289,6 +289,8 @@ class Jobs:
         self._check_wanted(ticket)
         outcome.note(SetState.RUNNING)
         prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
+        if (reused := self.pipeline.reuse(ticket, prepared)) is not None:
+            raise NotWanted(reused)  # its retired report is back: no call to make
         settings = self.llm_settings(ticket.key.run)
         self.emit("loss.started", prompt_chars=len(prepared.prompt),
                   prompt_tokens=prepared.prompt_tokens, attempt=ticket.attempts + 1)

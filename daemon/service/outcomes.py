@@ -1,6 +1,7 @@
 """What a loss job came to, as a Decision: the state, one event, when to look again.
 
     reply written  -> loss.completed, DONE (the step may be reported; its cost.total then)
+    retired report -> loss.completed with reused_from, DONE, nothing paid (pipeline.reuse)
     inputs changed -> loss.discarded, SETTLING (made anew once settled)
     set left step  -> loss.discarded, SETTLING; forgotten by its next look if still out
     bad reply      -> loss.refused / loss.contradicted, FAILED, retried after backoff
@@ -17,6 +18,7 @@ the Decision that owner.py applies; revisit.py schedules the look.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ...handlers import loss
@@ -37,6 +39,9 @@ from .revisit import Revisit, Why
 from .steps import Steps
 
 Emit = Callable[..., None]
+# The claims figures of loss.completed, as a sidecar's "claims" keeps them.
+CLAIM_FIELDS = ("status", "confirmed", "contradicted", "not_checkable", "malformed",
+                "contradicted_share")
 PAID = "paid_reply"  # set on an error raised after a reply was paid for: its llm.Completion
 
 
@@ -131,6 +136,23 @@ class Outcomes:
                   duration_ms=result.duration_ms, leaks_redacted=result.leaks_redacted,
                   attempts=c.attempts, craft_distance=result.sidecar.get("craft_distance"),
                   **result.claims.event_fields())
+        return self._done(key, fp)
+
+    def reused(self, key: layout.SetKey, fp: Fingerprint, retired: Path,
+               sidecar: dict[str, Any]) -> Decision:
+        """The set's retired report written back (pipeline.reuse): done, nothing paid
+        (its line says so: no tokens, no cost), the report's own figures as written."""
+        claims = sidecar.get("claims")
+        claims = claims if isinstance(claims, dict) else {}
+        self.emit("loss.completed", report=str(key.report_path(self.cfg.paths.runs)),
+                  reused_from=str(retired.parent), tokens_in=0, tokens_out=0,
+                  tokens_cached=0, tokens_cache_write=0, cost_usd=0.0, duration_ms=0,
+                  leaks_redacted=sidecar.get("leaks_redacted", 0), attempts=0,
+                  craft_distance=sidecar.get("craft_distance"),
+                  **{f"claims_{name}": claims.get(name) for name in CLAIM_FIELDS})
+        return self._done(key, fp)
+
+    def _done(self, key: layout.SetKey, fp: Fingerprint) -> Decision:
         self.steps.reopen(key)
         return Decision.write(SetState.DONE, reason=None, attempts=0, next_retry_at=None,
                               fingerprint=fp.as_json(), rate_limited=0)

@@ -1,6 +1,7 @@
 """A set's way to a report, whichever transport carries its request.
 
     prepare (inputs read and checked, prompt rendered)
+      -> reuse (its retired report, if made from these very inputs: no call)
       -> send (a live call: jobs.py; an item of a provider batch: batch.py)
       -> finish (the reply checked, guarded, written: handlers/loss.finish)
       -> decide (outcomes.py: the Decision the owner applies)
@@ -11,6 +12,7 @@ reply is checked, written and retried exactly like a live one.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,10 +26,11 @@ from ..core.errors import (
     RefusedError,
 )
 from ..core.templates import PromptTemplates
+from ..guard import sealed_write
 from ..infra import llm
+from . import retire
 from .decision import Decision, Ticket
 from .outcomes import PAID, Abandoned, Outcomes
-from .retire import StepFolders
 
 # What a set's way to a report may end in, short of a bug: each has its outcome.
 EXPECTED = (InputsChangedError, BadOutputError, RefusedError, LLMError, ConfigError, OSError,
@@ -49,7 +52,7 @@ class Pipeline:
     """prepare, finish and decide: the steps every transport shares."""
 
     def __init__(self, cfg: config.Config, templates: PromptTemplates,
-                 outcomes: Outcomes, folders: StepFolders) -> None:
+                 outcomes: Outcomes, folders: retire.StepFolders) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.templates = templates
@@ -74,6 +77,29 @@ class Pipeline:
                                on_contradiction=integrity.on_contradiction,
                                refuse_share=integrity.refuse_share,
                                sidecar_extra=sidecar_extra)
+
+    def reuse(self, ticket: Ticket, prepared: loss.Prepared) -> Decision | None:
+        """The set's retired report, if it was made from exactly these inputs (a set
+        that left its step and came back unchanged): written back through the
+        seal, under the landing gate, as a report is, and the set done, unpaid.
+        None: there is none (the set is reported afresh)."""
+        key, job = ticket.key, prepared.job
+        targets = (job.archive_path, job.report_path, job.sidecar_path)
+        with self.folders.landing(key):
+            found = retire.retired_copy(self.runs, key, targets, prepared.hashes.as_dict())
+            if found is None:
+                return None
+            retired, texts = found
+            try:
+                sealed_write.write_all(texts, loss.seal_of(prepared))
+            except sealed_write.SealRefused as e:  # a key added since holds its text
+                self.outcomes.emit("loss.reuse_refused", level="warning", reason=str(e))
+                return None
+        for path in retired:  # back in its folder: the copy would only be found again
+            with contextlib.suppress(OSError):
+                path.unlink()
+        sidecar = json.loads(texts[job.sidecar_path])  # parsed once already: a dict
+        return self.outcomes.reused(key, ticket.fp, retired[-1], sidecar)
 
     def decide(self, ticket: Ticket, result: loss.LossResult | None,
                error: BaseException | None) -> Decision:

@@ -14,9 +14,10 @@ first), outside every folder the optimizer is given (its reports folder and
 its run's). A file named like a set's but not written by the daemon
 (x_ep001-003.md beside x_ep01-03.md) goes the same way, and any link in the
 folder is removed (it may point at an answer key: nothing of ours is a
-link). A set that comes back is reported afresh: its report is paid for
-again (its old one is not moved back: bench/RESULTS.md lists it as a
-follow-up).
+link). A set that comes back with the very inputs its retired report was
+made from (the same episodes, key, template and model: the sidecar's hashes)
+gets that report back, unpaid (`retired_copy`, written again through the
+seal by the pipeline); with other inputs it is reported afresh.
 
 A report still in flight when its set leaves the step (a live call, a
 provider batch that answers hours later) must not land after the strays
@@ -28,12 +29,14 @@ moves what the step's sets are at that moment.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from ..core import atomic, layout
+from ..core import atomic, dataset, layout
 from ..core.errors import LeftStepError
 
 RETIRED = "retired"  # in runs/.skilltrain/
@@ -164,3 +167,50 @@ def _free_name(folder: Path, name: str) -> Path:
         k += 1
         path = folder / f"{name}.{k}"
     return path
+
+
+def retired_copy(runs: Path, key: layout.SetKey, targets: tuple[Path, Path, Path],
+                 inputs: dict[str, str]) -> tuple[list[Path], dict[Path, str]] | None:
+    """The newest retired report of `key` made from exactly `inputs`, if any:
+    its retired files, and their texts by `targets` (archive, report, sidecar:
+    the order they are written in, the sidecar last). Its report must be the
+    one its sidecar names (report_sha256); links and other files are passed over."""
+    folder = retired_dir(runs, key.step_key)
+    names = [target.name for target in targets]
+    retirements = 1
+    while os.path.lexists(folder / f"{names[-1]}.{retirements + 1}"):
+        retirements += 1
+    for k in range(retirements, 0, -1):  # the newest first
+        found = [folder / (name if k == 1 else f"{name}.{k}") for name in names]
+        texts = [_regular_text(path) for path in found]
+        if any(text is None for text in texts):
+            continue
+        archive, report, sidecar = texts
+        try:
+            data = json.loads(sidecar or "")
+        except ValueError:
+            continue
+        if (isinstance(data, dict) and data.get("inputs") == inputs
+                and data.get("report_sha256") == dataset.sha256_text(report or "")):
+            return found, {target: text for target, text in zip(targets, texts, strict=True)
+                           if text is not None}
+    return None
+
+
+def _regular_text(path: Path) -> str | None:
+    """A regular file's UTF-8 text, not followed through a link (None: not that)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks = [os.read(fd, 1 << 16)]
+        while chunks[-1]:
+            chunks.append(os.read(fd, 1 << 16))
+        return b"".join(chunks).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
