@@ -807,7 +807,11 @@ def test_marks_alone_are_cut_as_the_offsets_reading_cuts_them() -> None:
 
 
 ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 76",
-                     "base64 of base64", "base64 of escaped", "hex", "hex bytes apart", "rot13"]
+                     "base64 of base64", "base64 of escaped", "hex", "hex bytes apart", "rot13",
+                     "base64 under a digest line", "base64 glued to a word", "base64 in a URL",
+                     "hex after 0x", "base64 wrapped, in a JSON string",
+                     "rot13, zero-width spaces between", "rot13, backticks inside",
+                     "base64 of UTF-16", "base64 of cp1252"]
 
 
 @pytest.mark.parametrize("disguise", ENCODED_DISGUISES)
@@ -825,8 +829,7 @@ def test_a_quote_in_an_encoding_is_found_and_its_whole_run_cut(disguise: str) ->
         leaks = find_leaks(report, index)
         assert len(leaks) == 1, line
         cut_away = report[leaks[0].start:leaks[0].end]
-        assert cut_away in encoded  # all of it but its end's punctuation (rot13's words)
-        assert not any(c.isalnum() for c in encoded.replace(cut_away, "", 1))
+        assert cut_away in encoded  # the encoded stretch: what is glued on may stay
         cut = redact(report, leaks)
         assert "The model explains the same beat twice." in cut
         assert find_leaks(cut, index) == []
@@ -860,3 +863,18 @@ def test_an_encoded_run_is_read_once_per_run_and_never_across_two() -> None:
                                                 ["to", "sell", "at", "any", "price"]]
     assert {(v.starts[0], v.ends[-1]) for v in encoded} == {  # type: ignore[index]
         (0, len(first)), (len(first) + 10, len(first) + 10 + len(second))}
+
+
+def test_two_base64_lines_are_both_cut_by_one_clean() -> None:
+    # The log seal cleans once: a first blob's padding stopped the second from
+    # being read, and half the key was left in a line cleaned "once".
+    import base64
+
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    keys = leakguard.AnswerKeys([leakguard.index_for(adversarial.WORK, key)])
+    lines = adversarial.quotable_lines(key)
+    for first, second in zip(lines, lines[1:], strict=False):
+        text = "\n".join(base64.b64encode(s.encode()).decode() for s in (first, second))
+        assert keys.leaks(text) and keys.leaks(keys.clean(text)) == []

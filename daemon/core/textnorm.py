@@ -312,18 +312,32 @@ def readings(text: str, *, offsets: bool = False,
     text needs none); call again with offsets=True to map a hit back. The
     list has the same length and order either way.
     """
-    out = _readings(text, offsets)
+    unescaped = _decode_escapes(text, None, None)[0]
+    out = _readings(text, offsets, unescaped)
     out += [j for r in out if (j := _joined(r, offsets)) is not None]
-    out.append(textnorm_encoded.rot13_reading(out[0]))
+    out += [textnorm_encoded.rot13_reading(r) for r in out]
     if encoded_levels:
-        out += textnorm_encoded.encoded_readings(text, offsets, lambda inner, at: readings(
-            inner, offsets=at, encoded_levels=encoded_levels - 1))
+        out += textnorm_encoded.encoded_readings(
+            text, offsets, lambda inner, at: readings(
+                inner, offsets=at, encoded_levels=encoded_levels - 1),
+            unescaped, lambda: _unescaped(text))
     return out
 
 
-def _readings(text: str, offsets: bool) -> list[Reading]:
+def _unescaped(text: str) -> tuple[str, list[int], list[int]]:
+    """`text` with its escapes decoded, and the span each character came from."""
+    decoded, starts, ends = _decode_escapes(text, list(range(len(text))),
+                                            list(range(1, len(text) + 1)))
+    assert starts is not None and ends is not None
+    return decoded, starts, ends
+
+
+def _readings(text: str, offsets: bool, decoded: str | None = None) -> list[Reading]:
+    """The readings before the markup and encoded ones (`decoded`: the text's
+    escapes decoded, if the caller has it)."""
     starts = ends = None
-    decoded, _, _ = _decode_escapes(text, None, None)
+    if decoded is None:
+        decoded = _decode_escapes(text, None, None)[0]
     if decoded.isascii() and decoded == text:  # nothing moved: offsets are the text's
         return [Reading(text, text, None, None, _words(text))]
     if offsets:

@@ -1,24 +1,35 @@
 """Text hidden in an encoding: base64 (standard or URL-safe, padded or not,
-wrapped over lines) and hex runs that decode to readable text, and rot13.
+wrapped over lines, glued to other text), hex, and rot13.
 
 A reply that quotes the answer key base64-encoded is still a quote: textnorm
 reads the decoded text as one more reading of the original (its characters
-all come from the run that encoded them, so a redaction cuts the whole run).
-Only runs that decode to text count: a sha256 digest, a path or a long word
-decodes to bytes that are not UTF-8, or to control characters, and is left.
+all come from the stretch that encoded them, so a redaction cuts all of it).
+Only stretches that decode to text count: a sha256 digest, a path or a long
+word decodes to bytes that are no text (UTF-8, UTF-16, or nearly-ASCII
+cp1252) and is left.
 
-Most texts have no run of MIN_RUN_CHARS characters of the base64 alphabet:
-one bytes.translate and one bytes.find (both C) say so, no regex runs.
+A stretch starts at a run of MIN_RUN_CHARS characters of one alphabet and
+goes on over the lines after it (a wrapped block; in a JSON string, lines
+joined by an escaped newline). It is decoded whole, at each of the four
+alignments of base64's groups (what is glued before it shifts them); failing
+that, each line alone, lines that decode side by side joined again (a digest
+on the line above is no part of it). Linear in the text. Most texts have no
+such run: one bytes.translate and one bytes.find (both C) say so.
 
-rot13 maps words to words: its reading is the first reading's words rotated,
-at the same offsets, made for every text (no cheap test tells one rot13 line
-in English prose) and screened by the key's words before its runs are hashed.
+rot13 maps words to words: its readings are the other readings' words
+rotated, at their offsets, made for every text (no cheap test tells one rot13
+line in English prose) and screened by the key's words before their runs are
+hashed.
+
+Not read (bench/RESULTS.md): base64 wrapped under 24 characters a line or
+spaced in groups, lists of byte values, a quote half plain and half encoded,
+other schemes (base32, base85, other shifts).
 """
-
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import re
 import string
 from collections.abc import Callable
@@ -36,22 +47,29 @@ _ALPHABET = (string.ascii_letters + string.digits + "+/-_").encode("ascii")
 _ONLY_ALPHABET = bytes(
     ord("A") if byte in _ALPHABET else ord(" ") for byte in range(256))
 _LONG_RUN = b"A" * MIN_RUN_CHARS
+_ANY_LONG_RUN = re.compile(rf"[A-Za-z0-9+/_-]{{{MIN_RUN_CHARS},}}")
 _HEX_DIGITS = (string.hexdigits).encode("ascii")
 _HEX_OR_APART = bytes(
     ord("h") if byte in _HEX_DIGITS else ord(" ") if byte in b" :" else ord("x")
     for byte in range(256))
+_SHOWN_ASCII = bytes(range(32, 127)) + b"\t\n\r"
 _LONG_SPACED_HEX = b" ".join([b"hh"] * (MIN_RUN_CHARS // 2))
-# A run, and the first word of each line after it (MIME wraps base64 at 76;
-# _wrapped_run keeps the lines that decode with it).
-_RUN = re.compile(
-    rf"[A-Za-z0-9+/_-]{{{MIN_RUN_CHARS},}}={{0,2}}"
-    r"(?:[ \t]*\r?\n[ \t]*[A-Za-z0-9+/_-]{2,}={0,2})*")
-_LINE = re.compile(r"[A-Za-z0-9+/_=-]+")
-_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
+# Each base64 alphabet, and hex digits: whatever is glued to a run ("b64_",
+# "0x", "/p/") is cut by another alphabet or read past by trying each of the
+# four alignments of the groups. (a long run that starts a block, the next
+# line's run that goes on with it)
+_ALPHABETS = tuple((re.compile(rf"{chars}{{{MIN_RUN_CHARS},}}={{0,2}}"),
+                    re.compile(rf"{chars}{{2,}}={{0,2}}"))
+                   for chars in ("[A-Za-z0-9+/]", "[A-Za-z0-9_-]", "[0-9a-fA-F]"))
+# Between two runs of one wrapped block: a line break; or, in a JSON string,
+# an escaped one (its "n" reads as the first letter of the next run).
+_WRAP = re.compile(r"[ \t]*\r?\n[ \t]*")
+_ESCAPED_WRAP = re.compile(r"\\(?:r\\)?")
 # Hex bytes written apart ("48 65 6c", "48:65:6c"): the pairs are the run.
 _SPACED_HEX = re.compile(
     rf"(?<![0-9A-Za-z])[0-9a-fA-F]{{2}}(?:[ :][0-9a-fA-F]{{2}}){{{MIN_RUN_CHARS // 2 - 1},}}"
     r"(?![0-9A-Za-z])")
+
 _ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), "".join(
     letters[13:] + letters[:13] for letters in (string.ascii_lowercase, string.ascii_uppercase)
 ).encode("ascii"))
@@ -64,22 +82,31 @@ def rot13(text: str) -> str:
     return "".join(rot13(c) if c.isascii() else c for c in text)
 
 
-def rot13_reading(first: Reading) -> Reading:
-    """`first` (a text's first reading) in rot13, at its offsets. (A list of
-    rot13'd common words as the test for making it missed whole lines of the
-    key: "That's somebody's salary. That's somebody who's gonna get fired.")"""
-    return Reading(first.original, rot13(first.text), first.starts, first.ends,
-                   rot13(" ".join(first.tokens)).split(), screen_first=True)
+def rot13_reading(reading: Reading) -> Reading:
+    """`reading` in rot13, at its offsets. (A list of rot13'd common words as
+    the test for making it missed whole lines of the key: "That's somebody's
+    salary. That's somebody who's gonna get fired.")"""
+    return Reading(reading.original, rot13(reading.text), reading.starts, reading.ends,
+                   rot13(" ".join(reading.tokens)).split(), focus=reading.focus,
+                   screen_first=True)
 
 
-def encoded_readings(text: str, offsets: bool,
-                     read: Callable[[str, bool], list[Reading]]) -> list[Reading]:
+def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[Reading]],
+                     unescaped: str, unescaped_at: Callable[[], tuple[str, list[int], list[int]]]
+                     ) -> list[Reading]:
     """The readings (`read`: textnorm's, one level down) of what each encoded
-    run of `text` decodes to, as readings of `text`: every character of them
-    comes from the whole run. One run at a time: no quote is made of the end
-    of one run and the start of the next. [] for most texts."""
+    stretch of `text` decodes to, as readings of `text`: every character of
+    them comes from the whole stretch. One stretch at a time: no quote is made
+    of the end of one and the start of the next. `unescaped`: the text with its
+    escapes decoded (a base64 block in a JSON string with \\/ in it), and
+    `unescaped_at()` where each of its characters came from, asked only when
+    that view holds a stretch the text does not. [] for most texts."""
+    found = decoded_runs(text)
+    if unescaped != text and {d for *_, d in decoded_runs(unescaped)} - {d for *_, d in found}:
+        view, starts, ends = unescaped_at()
+        found += [(starts[s], ends[e - 1], decoded) for s, e, decoded in decoded_runs(view)]
     out = []
-    for start, end, decoded in decoded_runs(text):
+    for start, end, decoded in sorted(set(found)):
         for inner in read(decoded, offsets):
             size = len(inner.text)
             out.append(Reading(text, inner.text, [start] * size if offsets else None,
@@ -89,56 +116,134 @@ def encoded_readings(text: str, offsets: bool,
 
 
 def decoded_runs(text: str) -> list[tuple[int, int, str]]:
-    """(start, end, decoded text) of every encoded run of `text` that reads as text."""
+    """(start, end, decoded text) of every stretch of `text` in base64 or hex that
+    reads as text: a run, or a block of runs wrapped over lines."""
     raw = text.encode("utf-8", "surrogatepass")
-    runs: list[tuple[int, int, str]] = []
-    if _LONG_RUN in raw.translate(_ONLY_ALPHABET):
-        for m in _RUN.finditer(text):
-            runs += _wrapped_run(m)
+    found: list[tuple[int, int, str]] = []
+    marked = raw.translate(_ONLY_ALPHABET)
+    if _LONG_RUN in marked:
+        regions = _long_regions(text, marked)
+        tried: set[tuple[tuple[int, int], ...]] = set()  # a digest is a run of all three
+        for long_run, run in _ALPHABETS:  # each on its own: its runs may overlap another's
+            for block in _blocks(text, regions, long_run, run):
+                if (spans := tuple(block)) not in tried:
+                    tried.add(spans)
+                    found += _decoded_block(text, block)
     if _LONG_SPACED_HEX in raw.translate(_HEX_OR_APART):
         for m in _SPACED_HEX.finditer(text):
             if (decoded := _as_text(bytes.fromhex(m.group().replace(":", " ")))) is not None:
-                runs.append((m.start(), m.end(), decoded))
-    return sorted(runs)
+                found.append((m.start(), m.end(), decoded))
+    return sorted(set(found))
 
 
-def _wrapped_run(m: re.Match[str]) -> list[tuple[int, int, str]]:
-    """A run over lines, as long as it decodes: the line after a wrapped run
-    may be prose that starts with a word of the alphabet ("QUFB...\nThen")."""
-    lines = list(_LINE.finditer(m.group()))
-    for last in range(len(lines), 0, -1):
-        decoded = _decode_run("".join(line.group() for line in lines[:last]))
-        if decoded is not None:
-            return [(m.start(), m.start() + lines[last - 1].end(), decoded)]
-    return []
+def _long_regions(text: str, marked: bytes) -> list[tuple[int, int]]:
+    """Where `text` has runs of MIN_RUN_CHARS characters of either base64 alphabet
+    (`marked`: its bytes, those characters as "A"). For ASCII text, found by
+    bytes.find (C): a regex over 100 KB of prose costs a millisecond an alphabet."""
+    if len(marked) != len(text):  # not ASCII: byte offsets are not the text's
+        return [m.span() for m in _ANY_LONG_RUN.finditer(text)]
+    regions = []
+    start = marked.find(_LONG_RUN)
+    while start >= 0:
+        end = marked.find(b" ", start)
+        end = len(marked) if end < 0 else end
+        padded = end + len(text[end:end + 2]) - len(text[end:end + 2].lstrip("="))
+        regions.append((start, padded))
+        start = marked.find(_LONG_RUN, end)
+    return regions
+
+
+def _blocks(text: str, regions: list[tuple[int, int]], long_run: re.Pattern[str],
+            run: re.Pattern[str]) -> list[list[tuple[int, int]]]:
+    """Each long run of one alphabet in `regions`, and the runs on the lines after
+    it: wrapped lines of one encoding. Each run in one block."""
+    blocks: list[list[tuple[int, int]]] = []
+    end = 0
+    for region_start, region_end in regions:
+        for m in long_run.finditer(text, max(region_start, end), region_end):
+            block = [m.span()]
+            end = m.end()
+            while (nxt := _next_line(text, end, run)) is not None:
+                block.append(nxt)
+                end = nxt[1]
+            blocks.append(block)
+            if end > region_end:
+                break  # the block ran on past this region: the next starts after it
+    return blocks
+
+
+def _next_line(text: str, end: int, run: re.Pattern[str]) -> tuple[int, int] | None:
+    """The run that wraps on from the one ending at `end`: after a line break; or,
+    in a JSON string, after an escaped one (whose "n" is no part of it)."""
+    if (wrap := _WRAP.match(text, end)) is not None:
+        found = run.match(text, wrap.end())
+    elif (escaped := _ESCAPED_WRAP.match(text, end)) is not None \
+            and text.startswith("n", escaped.end()):
+        found = run.match(text, escaped.end() + 1)
+    else:
+        return None
+    return found.span() if found is not None else None
+
+
+def _decoded_block(text: str, block: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
+    """The block decoded whole; failing that, each run alone (a line above or
+    below it that is no part of it: a digest, the next paragraph's word), runs
+    that decode side by side joined again."""
+    whole = _decode_run("".join(text[s:e] for s, e in block))
+    if whole is not None:
+        return [(block[0][0], block[-1][1], whole)]
+    out: list[tuple[int, int, str]] = []
+    last = None
+    for s, e in block:
+        decoded = _decode_run(text[s:e])
+        if decoded is None:
+            last = None
+            continue
+        if last is not None:  # the run after one that decoded: one stretch
+            out[-1] = (out[-1][0], e, out[-1][2] + decoded)
+        else:
+            out.append((s, e, decoded))
+        last = e
+    return [(s, e, decoded) for s, e, decoded in out if e - s >= MIN_RUN_CHARS]
 
 
 def _decode_run(run: str) -> str | None:
-    if _HEX.fullmatch(run) and (decoded := _as_text(bytes.fromhex(run))) is not None:
-        return decoded
-    body = run.rstrip("=")
-    if ("-" in body or "_" in body) and ("+" in body or "/" in body):
-        return None  # two alphabets: not one encoding (a path, a slug)
-    body = body.replace("-", "+").replace("_", "/")
-    body = body[: len(body) - len(body) % 4] if len(body) % 4 == 1 else body
-    try:
-        data = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    return _as_text(data)
+    """Hex or base64 (either alphabet), at whichever of its alignments reads as text."""
+    if len(run) >= MIN_RUN_CHARS // 2 and not run.strip(string.hexdigits):
+        for cut in (0, 1):
+            if (decoded := _as_text(bytes.fromhex(run[cut: len(run) - (len(run) - cut) % 2]))):
+                return decoded
+    body = run.rstrip("=").replace("-", "+").replace("_", "/")
+    for cut in range(4):  # glued to what came before it, or cut out of a longer run
+        piece = body[cut:]
+        piece = piece[: len(piece) - len(piece) % 4] if len(piece) % 4 == 1 else piece
+        try:
+            data = base64.b64decode(piece + "=" * (-len(piece) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        if (decoded := _as_text(data)) is not None:
+            return decoded
+    return None
 
 
 def _as_text(data: bytes) -> str | None:
-    """`data` as text if it is UTF-8 that reads (a cut-off last character is let go)."""
-    for cut in range(4):  # an encoding cut short may end inside a character
-        try:
-            text = data[: len(data) - cut].decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            continue
-    else:
-        return None
+    """`data` as text if it reads: UTF-8 (a character cut at either end let go),
+    else UTF-16, else a single-byte text that is nearly all ASCII (cp1252)."""
+    text = data.decode("utf-8", "replace").strip("\ufffd")
+    if "\ufffd" in text or "\x00" in text:
+        text = _other_encoding(data) or ""
     if not text or not any(c.isalpha() for c in text):
         return None
     shown = sum(c.isprintable() or c in "\n\r\t" for c in text)
     return text if shown >= MIN_SHOWN_SHARE * len(text) else None
+
+
+def _other_encoding(data: bytes) -> str | None:
+    if len(data) >= 4 and data.count(0) >= len(data) // 3:  # UTF-16 or UTF-32 text
+        for codec in ("utf-16", "utf-16-le", "utf-16-be", "utf-32"):
+            with contextlib.suppress(UnicodeDecodeError):
+                return data.decode(codec)
+        return None
+    other = len(data.translate(None, _SHOWN_ASCII))  # bytes that are not shown ASCII
+    return data.decode("cp1252", "replace") if other <= (1 - MIN_SHOWN_SHARE) * len(data) \
+        else None

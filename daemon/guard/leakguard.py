@@ -187,6 +187,7 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
     the views' shingle hashes by (view, n, long_n), kept across indexes."""
     spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
     allowed: _Allowed | None = None
+    mapped: list[Reading] | None = None  # the readings with offsets: made once, on a hit
     for k, view in enumerate(views):
         if view.screen_first and not index.may_match(view.tokens):
             continue  # its words are not the key's: no run of them can be
@@ -204,7 +205,8 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
             continue
         wanted = {i for first, last, _ in found for i in (first, last)}
         if view.text is not text:  # escapes decoded or letters folded: map back
-            view = textnorm.readings(text, offsets=True)[k]
+            mapped = mapped or textnorm.readings(text, offsets=True)
+            view = mapped[k]
         where = view.token_spans(wanted)
         spans += [(where[first][0], where[last][1], episode, last - first + 1)
                   for first, last, episode in found]

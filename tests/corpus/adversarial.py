@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import hashlib
 import json
 import re
 import urllib.parse
@@ -125,6 +126,21 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "hex": lambda s: s.encode().hex(),
     "hex bytes apart": lambda s: s.encode().hex(" "),
     "rot13": lambda s: codecs.encode(s, "rot13"),
+    # A review's holes in the first reading of encodings: a run on the line
+    # above, a prefix glued on, a block in a JSON string, rot13 with a second
+    # disguise, bytes in another encoding.
+    "base64 under a digest line": lambda s: hashlib.sha256(s.encode()).hexdigest() + "\n"
+    + base64.b64encode(s.encode()).decode(),
+    "base64 glued to a word": lambda s: "b64_" + base64.b64encode(s.encode()).decode(),
+    "base64 in a URL": lambda s: "https://x.example/p/" + base64.b64encode(s.encode()).decode(),
+    "hex after 0x": lambda s: "0x" + s.encode().hex(),
+    "base64 wrapped, in a JSON string": lambda s: json.dumps(
+        base64.encodebytes(("Body: " + "x " * 40 + s).encode()).decode())[1:-1],
+    "rot13, zero-width spaces between": lambda s: "\u200b".join(codecs.encode(s, "rot13").split()),
+    "rot13, backticks inside": lambda s: _inside("`")(codecs.encode(s, "rot13")),
+    "base64 of UTF-16": lambda s: base64.b64encode(s.encode("utf-16-le")).decode(),
+    "base64 of cp1252": lambda s: base64.b64encode(
+        s.replace("'", "\u2019").encode("cp1252", "replace")).decode(),
 }
 
 
