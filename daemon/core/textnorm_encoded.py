@@ -27,7 +27,6 @@ other schemes (base32, base85, other shifts).
 """
 from __future__ import annotations
 
-import base64
 import binascii
 import contextlib
 import re
@@ -42,11 +41,16 @@ MIN_RUN_CHARS = 24
 # A decoded run is text if nearly all of it is shown: letters, digits,
 # punctuation, spaces. Bytes that happen to be UTF-8 are rarely so.
 MIN_SHOWN_SHARE = 0.9
+# Base64 of text has few of its alphabet's two marks (+/ or -_): in base64 of
+# ASCII they stand only for '>', '?', '~' in a group's last place. A run with
+# more than this share of them is a path or a slug.
+MAX_MARK_SHARE = 1 / 8
 
 _ALPHABET = (string.ascii_letters + string.digits + "+/-_").encode("ascii")
 _ONLY_ALPHABET = bytes(
     ord("A") if byte in _ALPHABET else ord(" ") for byte in range(256))
 _LONG_RUN = b"A" * MIN_RUN_CHARS
+REGION_GAP = 512  # long runs closer than this are scanned as one region (a sidecar's digests)
 _ANY_LONG_RUN = re.compile(rf"[A-Za-z0-9+/_-]{{{MIN_RUN_CHARS},}}")
 _HEX_DIGITS = (string.hexdigits).encode("ascii")
 _HEX_OR_APART = bytes(
@@ -142,13 +146,16 @@ def _long_regions(text: str, marked: bytes) -> list[tuple[int, int]]:
     bytes.find (C): a regex over 100 KB of prose costs a millisecond an alphabet."""
     if len(marked) != len(text):  # not ASCII: byte offsets are not the text's
         return [m.span() for m in _ANY_LONG_RUN.finditer(text)]
-    regions = []
+    regions: list[tuple[int, int]] = []
     start = marked.find(_LONG_RUN)
     while start >= 0:
         end = marked.find(b" ", start)
         end = len(marked) if end < 0 else end
         padded = end + len(text[end:end + 2]) - len(text[end:end + 2].lstrip("="))
-        regions.append((start, padded))
+        if regions and start - regions[-1][1] < REGION_GAP:  # one scan for runs close by
+            regions[-1] = (regions[-1][0], padded)
+        else:
+            regions.append((start, padded))
         start = marked.find(_LONG_RUN, end)
     return regions
 
@@ -161,6 +168,8 @@ def _blocks(text: str, regions: list[tuple[int, int]], long_run: re.Pattern[str]
     end = 0
     for region_start, region_end in regions:
         for m in long_run.finditer(text, max(region_start, end), region_end):
+            if m.start() < end:
+                continue  # a line of the block before
             block = [m.span()]
             end = m.end()
             while (nxt := _next_line(text, end, run)) is not None:
@@ -192,6 +201,8 @@ def _decoded_block(text: str, block: list[tuple[int, int]]) -> list[tuple[int, i
     whole = _decode_run("".join(text[s:e] for s, e in block))
     if whole is not None:
         return [(block[0][0], block[-1][1], whole)]
+    if len(block) == 1:
+        return []
     out: list[tuple[int, int, str]] = []
     last = None
     for s, e in block:
@@ -213,13 +224,16 @@ def _decode_run(run: str) -> str | None:
         for cut in (0, 1):
             if (decoded := _as_text(bytes.fromhex(run[cut: len(run) - (len(run) - cut) % 2]))):
                 return decoded
+        return None  # base64 of text has capitals: a digest is no such thing
     body = run.rstrip("=").replace("-", "+").replace("_", "/")
+    if body.count("+") + body.count("/") > len(body) * MAX_MARK_SHARE:
+        return None  # a path or a slug (skilltrain-bench-e0_b1), not base64 of text
     for cut in range(4):  # glued to what came before it, or cut out of a longer run
         piece = body[cut:]
         piece = piece[: len(piece) - len(piece) % 4] if len(piece) % 4 == 1 else piece
         try:
-            data = base64.b64decode(piece + "=" * (-len(piece) % 4), validate=True)
-        except (binascii.Error, ValueError):
+            data = binascii.a2b_base64(piece + "=" * (-len(piece) % 4), strict_mode=True)
+        except binascii.Error:
             continue
         if (decoded := _as_text(data)) is not None:
             return decoded
