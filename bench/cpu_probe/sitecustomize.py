@@ -26,7 +26,9 @@ from typing import Any
 _OUT = os.environ.get("CPU_PROBE_OUT")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _totals: dict[str, list[float]] = {}  # label -> [calls, CPU seconds]
-_lock = threading.Lock()
+# Reentrant: a collection may start while this thread holds it (an allocation
+# inside `with _lock`), and its callback adds to the totals on the same thread.
+_lock = threading.RLock()
 
 
 def _add(label: str, seconds: float) -> None:
