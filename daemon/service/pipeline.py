@@ -84,6 +84,8 @@ class Pipeline:
         seal, under the landing gate, as a report is, and the set done, unpaid.
         None: there is none (the set is reported afresh)."""
         key, job = ticket.key, prepared.job
+        if not retire.retired_dir(self.runs, key.step_key).is_dir():
+            return None  # the step never retired a report: one stat, no gate
         targets = (job.archive_path, job.report_path, job.sidecar_path)
         with self.folders.landing(key):
             found = retire.retired_copy(self.runs, key, targets, prepared.hashes.as_dict())
