@@ -326,7 +326,7 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
         "finished_at": now().isoformat(),
         **(sidecar_extra or {}),
     }
-    _check_unchanged(job, hashes, prepared.read_inputs)
+    check_unchanged(job, hashes, prepared.read_inputs)
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
@@ -440,7 +440,7 @@ def _guard(report: str, job: LossJob, seal: sealed_write.Seal,
     return leakguard.redact(report, leaks), len(leaks)
 
 
-def _check_unchanged(job: LossJob, hashes: InputHashes,
+def check_unchanged(job: LossJob, hashes: InputHashes,
                      read_inputs: Callable[[bool], tuple[dict[int, str], dict[int, str]]]
                      ) -> None:
     """Re-read the inputs just before writing: a report made from files that changed

@@ -21,6 +21,7 @@ from tests.daemon_helpers import (
     build_workspace,
     human_screenplays,
     model_episode,
+    run_once_in_process,
     stays,
     wait_until,
 )
@@ -306,3 +307,26 @@ def test_a_record_once_closed_is_not_written_back_by_a_result_handled_late(
     wait_until(lambda: closed and not records(ws), 60, message="the record closed")
     d.daemon.batcher.results.save(closed[0])  # what the slower thread does next
     assert not records(ws) and not ws.temp_files()
+
+
+def test_a_retired_report_comes_back_in_batch_mode_unsent_and_said_of_its_set(
+        tmp_path: Path, server: BatchServer) -> None:
+    # The batch transport asks for a retired report too: the set back with its
+    # very inputs is in no batch, and its line names the set (the batch thread
+    # has no job's context of its own).
+    ws = workspace(tmp_path, server)
+    ws.write_step("r1", 0, 0, success=True)
+    run_once_in_process(ws)
+    episode = ws.data / "alpha" / "human" / "ep06.txt"
+    kept = episode.read_bytes()
+    episode.unlink()
+    run_once_in_process(ws)
+    creates = server.creates
+    episode.write_bytes(kept)
+
+    run_once_in_process(ws)
+
+    (back,) = [e for e in ws.events("loss.completed") if e.get("reused_from")]
+    assert (back["run"], back["step"], back["work"], back["range"]) == ("r1", 0, "alpha", "04-06")
+    assert back["job_id"] and back["cost_usd"] == 0
+    assert server.creates == creates  # no batch: nothing else to report, 04-06 unsent

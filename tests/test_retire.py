@@ -74,11 +74,12 @@ def test_a_set_that_comes_back_unchanged_gets_its_retired_report_back_unpaid(
 
     assert len(llm_server.requests) == calls  # nothing sent for it
     assert {name: (reports / name).read_bytes() for name in names} == first
-    # Back in its folder; the range it replaced (04-05) is the one retired now.
-    assert sorted(p.name for p in retired.iterdir()) == [n.replace("04-06", "04-05")
-                                                        for n in names]
+    # Back in its folder (the archive rendered anew, the same bytes); the range
+    # it replaced (04-05) is the one retired now.
+    assert sorted(p.name for p in retired.iterdir()) == sorted(
+        [n.replace("04-06", "04-05") for n in names] + ["alpha_ep04-06_prompt.md"])
     (back,) = [e for e in ws.events("loss.completed") if e.get("reused_from")]
-    assert back["range"] == "04-06" and back["reused_from"] == str(retired)
+    assert back["range"] == "04-06" and back["reused_from"] == str(retired / "alpha_ep04-06.md")
     assert back["cost_usd"] == 0 and back["tokens_in"] == 0  # nothing paid
     assert back["claims_status"] == json.loads(first["alpha_ep04-06.json"])["claims"]["status"]
     runs = [json.loads(line)["dirs"][str(reports)] for line in record.read_text().splitlines()]
@@ -363,3 +364,42 @@ def test_a_set_that_left_its_step_and_failed_for_good_does_not_hold_the_step(
                        message="the step reported at alpha's end, not at the next scan")
             assert len(ws.events("scan.completed")) == scans  # no scan did it
             assert not any("beta" in k for k in d.daemon.state.sets)
+
+
+def test_a_retired_copy_is_found_by_its_hashes_whatever_its_copy_numbers(tmp_path: Path) -> None:
+    # A review's cases: a copy taken back leaves a gap in the numbers, each of a
+    # set's three files is numbered on its own (a crash, a name already taken),
+    # and a file of ours' name may hold anything. The report is found by the
+    # hash its sidecar names, the sidecar by the inputs it names.
+    import hashlib
+
+    from skilltrain.daemon.core import layout
+    from skilltrain.daemon.service import retire
+
+    runs = tmp_path / "runs"
+    key = layout.SetKey("r1", 0, 0, "alpha", 4, 6)
+    folder = retire.retired_dir(runs, key.step_key)
+    folder.mkdir(parents=True)
+    report_path = key.report_path(runs)
+
+    def retired(inputs: str, report_slot: str, sidecar_slot: str) -> None:
+        text = f"A report of {inputs}.\n"
+        (folder / f"alpha_ep04-06.md{report_slot}").write_text(text)
+        (folder / f"alpha_ep04-06.json{sidecar_slot}").write_text(json.dumps(
+            {"inputs": {"model_sha256": inputs},
+             "report_sha256": hashlib.sha256(text.encode()).hexdigest()}))
+
+    retired("A", "", "")
+    retired("C", ".3", ".3")  # .2 was taken back: a gap
+    retired("D", ".4", ".5")  # out of step
+    (folder / "alpha_ep04-06.json.6").write_text("[" * 100_000 + "]" * 100_000)  # not ours
+    (folder / "alpha_ep04-06.json.7").symlink_to(folder / "alpha_ep04-06.json")
+
+    def found(inputs: str) -> list[tuple[list[str], str]]:
+        return [([p.name for p in paths], text) for paths, text, _ in retire.retired_copies(
+            runs, key, report_path, {"model_sha256": inputs})]
+
+    assert found("A") == [(["alpha_ep04-06.md", "alpha_ep04-06.json"], "A report of A.\n")]
+    assert found("C") == [(["alpha_ep04-06.md.3", "alpha_ep04-06.json.3"], "A report of C.\n")]
+    assert found("D") == [(["alpha_ep04-06.md.4", "alpha_ep04-06.json.5"], "A report of D.\n")]
+    assert found("B") == []

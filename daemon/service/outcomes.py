@@ -145,7 +145,7 @@ class Outcomes:
         claims = sidecar.get("claims")
         claims = claims if isinstance(claims, dict) else {}
         self.emit("loss.completed", report=str(key.report_path(self.cfg.paths.runs)),
-                  reused_from=str(retired.parent), tokens_in=0, tokens_out=0,
+                  reused_from=str(retired), tokens_in=0, tokens_out=0,
                   tokens_cached=0, tokens_cache_write=0, cost_usd=0.0, duration_ms=0,
                   leaks_redacted=sidecar.get("leaks_redacted", 0), attempts=0,
                   craft_distance=sidecar.get("craft_distance"),

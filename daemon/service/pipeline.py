@@ -27,7 +27,7 @@ from ..core.errors import (
 )
 from ..core.templates import PromptTemplates
 from ..guard import sealed_write
-from ..infra import llm
+from ..infra import llm, log
 from . import retire
 from .decision import Decision, Ticket
 from .outcomes import PAID, Abandoned, Outcomes
@@ -79,29 +79,46 @@ class Pipeline:
                                sidecar_extra=sidecar_extra)
 
     def reuse(self, ticket: Ticket, prepared: loss.Prepared) -> Decision | None:
-        """The set's retired report, if it was made from exactly these inputs (a set
-        that left its step and came back unchanged): written back through the
+        """The set's retired report, if it was made from exactly these inputs under
+        this [integrity] (a set that left its step and came back unchanged):
+        written back with its sidecar and an archive rendered anew, through the
         seal, under the landing gate, as a report is, and the set done, unpaid.
         None: there is none (the set is reported afresh)."""
         key, job = ticket.key, prepared.job
         if not retire.retired_dir(self.runs, key.step_key).is_dir():
             return None  # the step never retired a report: one stat, no gate
-        targets = (job.archive_path, job.report_path, job.sidecar_path)
-        with self.folders.landing(key):
-            found = retire.retired_copy(self.runs, key, targets, prepared.hashes.as_dict())
-            if found is None:
-                return None
-            retired, texts = found
-            try:
-                sealed_write.write_all(texts, loss.seal_of(prepared))
-            except sealed_write.SealRefused as e:  # a key added since holds its text
-                self.outcomes.emit("loss.reuse_refused", level="warning", reason=str(e))
-                return None
-        for path in retired:  # back in its folder: the copy would only be found again
-            with contextlib.suppress(OSError):
-                path.unlink()
-        sidecar = json.loads(texts[job.sidecar_path])  # parsed once already: a dict
-        return self.outcomes.reused(key, ticket.fp, retired[-1], sidecar)
+        with log.bound_job(job_id=ticket.job_id, **key.log_fields()), \
+                self.folders.landing(key):
+            for retired, report, sidecar in retire.retired_copies(
+                    self.runs, key, job.report_path, prepared.hashes.as_dict()):
+                data = json.loads(sidecar)
+                if not self._same_integrity(data):
+                    continue
+                loss.check_unchanged(job, prepared.hashes, prepared.read_inputs)  # the disk's
+                archive = sealed_write.Archive(prepared.archive, prepared.skeleton,
+                                               prepared.slot, prepared.model_block)
+                try:
+                    sealed_write.write_all({job.archive_path: archive, job.report_path: report,
+                                            job.sidecar_path: sidecar}, loss.seal_of(prepared))
+                except sealed_write.SealRefused as e:  # read by a stricter guard, or keys since
+                    self.outcomes.emit("loss.reuse_refused", level="warning", reason=str(e),
+                                       retired=str(retired[0]))
+                    continue
+                for path in retired:  # back in its folder: the copy would only be found again
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                return self.outcomes.reused(key, ticket.fp, retired[0], data)
+        return None
+
+    def _same_integrity(self, sidecar: dict[str, Any]) -> bool:
+        """Was the report written as [integrity] would write it now? A report with
+        quotes redacted is not one `on_leak = "refuse"` writes, nor claims annotated
+        under another `on_contradiction`."""
+        integrity = self.cfg.integrity
+        claims = sidecar.get("claims")
+        mode = claims.get("on_contradiction") if isinstance(claims, dict) else None
+        return mode == integrity.on_contradiction and not (
+            integrity.on_leak == "refuse" and sidecar.get("leaks_redacted"))
 
     def decide(self, ticket: Ticket, result: loss.LossResult | None,
                error: BaseException | None) -> Decision:

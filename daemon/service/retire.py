@@ -16,8 +16,9 @@ its run's). A file named like a set's but not written by the daemon
 folder is removed (it may point at an answer key: nothing of ours is a
 link). A set that comes back with the very inputs its retired report was
 made from (the same episodes, key, template and model: the sidecar's hashes)
-gets that report back, unpaid (`retired_copy`, written again through the
-seal by the pipeline); with other inputs it is reported afresh.
+gets that report back, unpaid (`retired_copies`: its report and sidecar,
+written again through the seal by the pipeline with an archive rendered
+anew); with other inputs it is reported afresh.
 
 A report still in flight when its set leaves the step (a live call, a
 provider batch that answers hours later) must not land after the strays
@@ -40,6 +41,7 @@ from ..core import atomic, dataset, layout
 from ..core.errors import LeftStepError
 
 RETIRED = "retired"  # in runs/.skilltrain/
+MAX_RETIRED_BYTES = 16 * 2**20  # a report or sidecar is kilobytes: a larger file is not ours
 
 Emit = Callable[..., None]
 
@@ -169,42 +171,52 @@ def _free_name(folder: Path, name: str) -> Path:
     return path
 
 
-def retired_copy(runs: Path, key: layout.SetKey, targets: tuple[Path, Path, Path],
-                 inputs: dict[str, str]) -> tuple[list[Path], dict[Path, str]] | None:
-    """The newest retired report of `key` made from exactly `inputs`, if any:
-    its retired files, and their texts by `targets` (archive, report, sidecar:
-    the order they are written in, the sidecar last). Its report must be the
-    one its sidecar names (report_sha256); links and other files are passed over."""
+def retired_copies(runs: Path, key: layout.SetKey, report: Path,
+                   inputs: dict[str, str]) -> Iterator[tuple[list[Path], str, str]]:
+    """Every retired report of `key` made from exactly `inputs`: its retired
+    files (report, sidecar), its text and its sidecar's. A sidecar is matched by
+    its input hashes, and its report by the hash the sidecar names, whatever
+    copy number each was given (each file's is its own: a retirement may have
+    found some of the three names taken, or a crash may have left one alone)."""
     folder = retired_dir(runs, key.step_key)
-    names = [target.name for target in targets]
-    retirements = 1
-    while os.path.lexists(folder / f"{names[-1]}.{retirements + 1}"):
-        retirements += 1
-    for k in range(retirements, 0, -1):  # the newest first
-        found = [folder / (name if k == 1 else f"{name}.{k}") for name in names]
-        texts = [_regular_text(path) for path in found]
-        if any(text is None for text in texts):
+    sidecar_name = f"{report.stem}.json"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    reports = [folder / n for n in names if _copy_of(n, report.name)]
+    for name in names:
+        if not _copy_of(name, sidecar_name) or (sidecar := _regular_text(folder / name)) is None:
             continue
-        archive, report, sidecar = texts
         try:
-            data = json.loads(sidecar or "")
-        except ValueError:
+            data = json.loads(sidecar)
+        except (ValueError, RecursionError):
+            continue  # not a sidecar of ours
+        if not isinstance(data, dict) or data.get("inputs") != inputs:
             continue
-        if (isinstance(data, dict) and data.get("inputs") == inputs
-                and data.get("report_sha256") == dataset.sha256_text(report or "")):
-            return found, {target: text for target, text in zip(targets, texts, strict=True)
-                           if text is not None}
-    return None
+        for path in reports:
+            text = _regular_text(path)
+            if text is not None and dataset.sha256_text(text) == data.get("report_sha256"):
+                yield [path, folder / name], text, sidecar
+                break
+
+
+def _copy_of(name: str, original: str) -> bool:
+    """`name` is `original` or a later retirement's copy of it (original.2, .3, ...)."""
+    return name == original or (name.startswith(original + ".")
+                                and name[len(original) + 1:].isdigit())
 
 
 def _regular_text(path: Path) -> str | None:
-    """A regular file's UTF-8 text, not followed through a link (None: not that)."""
+    """A regular file's UTF-8 text, not followed through a link, no larger than
+    any file of ours (None: not that)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RETIRED_BYTES:
             return None
         chunks = [os.read(fd, 1 << 16)]
         while chunks[-1]:
