@@ -35,9 +35,9 @@ Steps, in order:
    inside a word. A person reads through them; the split reading stays
    beside it for words joined by them (what_in_the_world). The claims
    parser reads statistic names this way too (`words_as_read`).
-5. Text in an encoding (textnorm_encoded): the first reading in rot13, and
-   what each base64 or hex run decodes to, read by steps 1-5 in turn (base64
-   of base64 too), each character of it mapped to the whole run.
+5. Text in an encoding (textnorm_encoded): each reading in rot13, and what
+   each base64 or hex stretch decodes to, read by steps 1-5 in turn (base64
+   of base64 too), each character of it mapped to the whole stretch.
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
@@ -305,8 +305,8 @@ def readings(text: str, *, offsets: bool = False,
              encoded_levels: int = ENCODED_LEVELS) -> list[Reading]:
     """The readings of `text`: one, or three when it has format characters;
     each once more with mid-word markup joined when it has some (`_joined`);
-    the first in rot13; then those of the text its base64
-    or hex runs decode to (textnorm_encoded), down to `encoded_levels` deep.
+    each of those in rot13; then those of what its base64 or hex stretches
+    decode to (textnorm_encoded), down to `encoded_levels` encodings deep.
 
     With offsets=False the origin lists are not built (the check of a clean
     text needs none); call again with offsets=True to map a hit back. The

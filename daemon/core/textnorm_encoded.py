@@ -58,10 +58,10 @@ _HEX_OR_APART = bytes(
     for byte in range(256))
 _SHOWN_ASCII = bytes(range(32, 127)) + b"\t\n\r"
 _LONG_SPACED_HEX = b" ".join([b"hh"] * (MIN_RUN_CHARS // 2))
-# Each base64 alphabet, and hex digits: whatever is glued to a run ("b64_",
-# "0x", "/p/") is cut by another alphabet or read past by trying each of the
-# four alignments of the groups. (a long run that starts a block, the next
-# line's run that goes on with it)
+# Each base64 alphabet, and hex digits, as a pair: the long run that starts a
+# block, and the run of a line after it that goes on with it. Whatever is
+# glued to a run ("b64_", "0x", "/p/") is cut by another alphabet, or read
+# past by trying each of the four alignments of base64's groups.
 _ALPHABETS = tuple((re.compile(rf"{chars}{{{MIN_RUN_CHARS},}}={{0,2}}"),
                     re.compile(rf"{chars}{{2,}}={{0,2}}"))
                    for chars in ("[A-Za-z0-9+/]", "[A-Za-z0-9_-]", "[0-9a-fA-F]"))
