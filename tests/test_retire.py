@@ -18,8 +18,10 @@ from tests.llm_server import LLMServer
 RECORDER = Path(__file__).resolve().parent / "optimizer_recorder.py"
 
 
-def test_a_report_of_a_set_the_step_no_longer_has_is_moved_out_before_the_optimizer(
-        tmp_path: Path, llm_server: LLMServer) -> None:
+def _reported_step(tmp_path: Path, llm_server: LLMServer) -> tuple[Any, Path, Path]:
+    """A workspace whose step r1 0 0 (alpha, 6 episodes: 01-03 and 04-06) is
+    reported, the optimizer recording the folders it is given; and its
+    reports folder and that record."""
     record = tmp_path / "optimizer.jsonl"
     optimizer = (f'[optimizer]\ncommand = ["{sys.executable}", "{RECORDER}", "{record}", "0", '
                  '"-", "{reports_dir}"]\n')
@@ -27,7 +29,12 @@ def test_a_report_of_a_set_the_step_no_longer_has_is_moved_out_before_the_optimi
                          extra="[integrity]\naudit_on_start = false\n" + optimizer)
     ws.write_step("r1", 0, 0, success=True)
     run_once_in_process(ws)
-    reports = ws.runs / "r1" / "loss" / "epoch_00" / "step_00"
+    return ws, ws.runs / "r1" / "loss" / "epoch_00" / "step_00", record
+
+
+def test_a_report_of_a_set_the_step_no_longer_has_is_moved_out_before_the_optimizer(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    ws, reports, record = _reported_step(tmp_path, llm_server)
     assert (reports / "alpha_ep04-06.md").exists()
 
     (ws.data / "alpha" / "human" / "ep06.txt").unlink()  # the range is 04-05 now
@@ -51,14 +58,7 @@ def test_a_set_that_comes_back_unchanged_gets_its_retired_report_back_unpaid(
     # data/): the set's report was retired; when the set comes back with the
     # very inputs of that report, the report comes back, no call is made, and
     # the optimizer learns from it again. Changed inputs are paid for afresh.
-    record = tmp_path / "optimizer.jsonl"
-    optimizer = (f'[optimizer]\ncommand = ["{sys.executable}", "{RECORDER}", "{record}", "0", '
-                 '"-", "{reports_dir}"]\n')
-    ws = build_workspace(tmp_path / "ws", llm_server.url, works={"alpha": 6},
-                         extra="[integrity]\naudit_on_start = false\n" + optimizer)
-    ws.write_step("r1", 0, 0, success=True)
-    run_once_in_process(ws)
-    reports = ws.runs / "r1" / "loss" / "epoch_00" / "step_00"
+    ws, reports, record = _reported_step(tmp_path, llm_server)
     names = ["alpha_ep04-06.json", "alpha_ep04-06.md", "alpha_ep04-06_prompt.md"]
     first = {name: (reports / name).read_bytes() for name in names}
     episode = ws.data / "alpha" / "human" / "ep06.txt"
