@@ -20,13 +20,13 @@ TEXT = "INT. KITCHEN - NIGHT\n\nANNA stirs the soup.\n"
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Every file whose bytes are read."""
     seen: list[Path] = []
-    real = dataset._read_bytes
+    real = dataset.read_bytes
 
     def counting(path: Path, *args: Any, **kwargs: Any) -> bytes | None:
         seen.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(dataset, "_read_bytes", counting)
+    monkeypatch.setattr(dataset, "read_bytes", counting)
     dataset._kept_text.clear()
     return seen
 
@@ -113,7 +113,7 @@ def test_a_file_grown_since_its_stat_is_read_to_its_end(tmp_path: Path) -> None:
     # the next read's, and the set is redone, never cut short silently).
     path = tmp_path / "ep01.txt"
     path.write_text(TEXT * 5000, encoding="utf-8")
-    assert dataset._read_bytes(path, len(TEXT)) == (TEXT * 5000).encode()
+    assert dataset.read_bytes(path, len(TEXT)) == (TEXT * 5000).encode()
 
 
 def test_a_scripts_folder_swapped_for_a_link_after_its_check_is_not_read_through(

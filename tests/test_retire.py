@@ -396,7 +396,7 @@ def test_a_retired_copy_is_found_by_its_hashes_whatever_its_copy_numbers(tmp_pat
     (folder / "alpha_ep04-06.json.7").symlink_to(folder / "alpha_ep04-06.json")
 
     def found(inputs: str) -> list[tuple[list[str], str]]:
-        return [([p.name for p in paths], text) for paths, text, _ in retire.retired_copies(
+        return [([p.name for p in paths], text) for paths, text, *_ in retire.retired_copies(
             runs, key, report_path, {"model_sha256": inputs})]
 
     assert found("A") == [(["alpha_ep04-06.md", "alpha_ep04-06.json"], "A report of A.\n")]

@@ -61,7 +61,7 @@ def files_digest(paths: Mapping[int, str]) -> str | None:
     hashes = {}
     for n, path in paths.items():
         try:  # non-blocking: a FIFO swapped in since it was looked at reads as empty
-            data = _read_bytes(Path(path), 0, nofollow=False)
+            data = read_bytes(Path(path), 0, nofollow=False)
         except OSError:
             return None
         hashes[n] = hashlib.sha256(data or b"").hexdigest()
@@ -125,7 +125,7 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
         return kept[1]
     # A link is confined, and followed, by its path; a plain file is opened in
     # the checked folder.
-    data = _read_bytes(path, st.st_size, max_bytes, nofollow=not link,
+    data = read_bytes(path, st.st_size, max_bytes, nofollow=not link,
                        folder_fd=None if link else folder_fd,
                        opened=(lambda fd: confine_opened(fd, path, label, confine_to,
                                                           answer_key, st)) if link else None)
@@ -171,7 +171,7 @@ def _stat_confined(path: Path, label: str, confine_to: Path | None,
     return st, link
 
 
-def _read_bytes(path: Path, size: int, max_bytes: int | None = None, *,
+def read_bytes(path: Path, size: int, max_bytes: int | None = None, *,
                 nofollow: bool = True, folder_fd: int | None = None,
                 opened: Callable[[int], None] | None = None) -> bytes | None:
     """The whole file, by descriptor: open, read, close (Path.read_bytes adds

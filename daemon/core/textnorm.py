@@ -341,8 +341,7 @@ def _readings(text: str, offsets: bool, decoded: str | None = None) -> list[Read
     if decoded.isascii() and decoded == text:  # nothing moved: offsets are the text's
         return [Reading(text, text, None, None, _words(text))]
     if offsets:
-        starts, ends = list(range(len(text))), list(range(1, len(text) + 1))
-        decoded, starts, ends = _decode_escapes(text, starts, ends)
+        decoded, starts, ends = _unescaped(text)
     if "\u00ad" in decoded:  # a soft hyphen at a line's end: the word goes on
         if starts is None or ends is None:
             decoded = _SOFT_BREAK.sub("", decoded)

@@ -74,16 +74,18 @@ _SPACED_HEX = re.compile(
     rf"(?<![0-9A-Za-z])[0-9a-fA-F]{{2}}(?:[ :][0-9a-fA-F]{{2}}){{{MIN_RUN_CHARS // 2 - 1},}}"
     r"(?![0-9A-Za-z])")
 
-_ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), "".join(
-    letters[13:] + letters[:13] for letters in (string.ascii_lowercase, string.ascii_uppercase)
-).encode("ascii"))
+_ROTATED = "".join(letters[13:] + letters[:13]
+                   for letters in (string.ascii_lowercase, string.ascii_uppercase))
+_ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), _ROTATED.encode("ascii"))
+_ROT13_TEXT = str.maketrans(string.ascii_letters, _ROTATED)
 
 
 def rot13(text: str) -> str:
-    """`text` with its ASCII letters rotated by 13 (bytes.translate: C, no dict lookups)."""
+    """`text` with its ASCII letters rotated by 13 (ASCII text by bytes.translate:
+    C, no dict lookup a character)."""
     if text.isascii():
         return text.encode("ascii").translate(_ROT13).decode("ascii")
-    return "".join(rot13(c) if c.isascii() else c for c in text)
+    return text.translate(_ROT13_TEXT)
 
 
 def rot13_reading(reading: Reading) -> Reading:
@@ -106,9 +108,11 @@ def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[
     `unescaped_at()` where each of its characters came from, asked only when
     that view holds a stretch the text does not. [] for most texts."""
     found = decoded_runs(text)
-    if unescaped != text and {d for *_, d in decoded_runs(unescaped)} - {d for *_, d in found}:
-        view, starts, ends = unescaped_at()
-        found += [(starts[s], ends[e - 1], decoded) for s, e, decoded in decoded_runs(view)]
+    if unescaped != text:
+        in_view = decoded_runs(unescaped)
+        if {d for *_, d in in_view} - {d for *_, d in found}:
+            _, starts, ends = unescaped_at()  # the same view, with its origins
+            found += [(starts[s], ends[e - 1], decoded) for s, e, decoded in in_view]
     out = []
     for start, end, decoded in sorted(set(found)):
         for inner in read(decoded, offsets):

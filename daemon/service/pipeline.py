@@ -12,7 +12,6 @@ reply is checked, written and retried exactly like a live one.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,9 +88,8 @@ class Pipeline:
             return None  # the step never retired a report: one stat, no gate
         with log.bound_job(job_id=ticket.job_id, **key.log_fields()), \
                 self.folders.landing(key):
-            for retired, report, sidecar in retire.retired_copies(
+            for retired, report, sidecar, data in retire.retired_copies(
                     self.runs, key, job.report_path, prepared.hashes.as_dict()):
-                data = json.loads(sidecar)
                 if not self._same_integrity(data):
                     continue
                 loss.check_unchanged(job, prepared.hashes, prepared.read_inputs)  # the disk's

@@ -36,6 +36,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ..core import atomic, dataset, layout
 from ..core.errors import LeftStepError
@@ -171,10 +172,10 @@ def _free_name(folder: Path, name: str) -> Path:
     return path
 
 
-def retired_copies(runs: Path, key: layout.SetKey, report: Path,
-                   inputs: dict[str, str]) -> Iterator[tuple[list[Path], str, str]]:
+def retired_copies(runs: Path, key: layout.SetKey, report: Path, inputs: dict[str, str]
+                   ) -> Iterator[tuple[list[Path], str, str, dict[str, Any]]]:
     """Every retired report of `key` made from exactly `inputs`: its retired
-    files (report, sidecar), its text and its sidecar's. A sidecar is matched by
+    files (report, sidecar), its text, its sidecar's and what it says. A sidecar is matched by
     its input hashes, and its report by the hash the sidecar names, whatever
     copy number each was given (each file's is its own: a retirement may have
     found some of the three names taken, or a crash may have left one alone)."""
@@ -197,7 +198,7 @@ def retired_copies(runs: Path, key: layout.SetKey, report: Path,
         for path in reports:
             text = _regular_text(path)
             if text is not None and dataset.sha256_text(text) == data.get("report_sha256"):
-                yield [path, folder / name], text, sidecar
+                yield [path, folder / name], text, sidecar, data
                 break
 
 
@@ -210,19 +211,12 @@ def _copy_of(name: str, original: str) -> bool:
 def _regular_text(path: Path) -> str | None:
     """A regular file's UTF-8 text, not followed through a link, no larger than
     any file of ours (None: not that)."""
+    def regular(fd: int) -> None:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RETIRED_BYTES:
-            return None
-        chunks = [os.read(fd, 1 << 16)]
-        while chunks[-1]:
-            chunks.append(os.read(fd, 1 << 16))
-        return b"".join(chunks).decode("utf-8")
+        data = dataset.read_bytes(path, 1 << 16, MAX_RETIRED_BYTES, opened=regular)
+        return None if data is None else data.decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-    finally:
-        os.close(fd)
