@@ -317,8 +317,11 @@ def test_metrics_endpoint_counts_what_the_daemon_does(
         assert before["skilltrain_jobs_running"] == 0
         _write_step(ws, "r1", 0, scenes=3, lines=6)
         wait_until(lambda: ws.events("step.reported"), 20, message="step.reported")
+        # step.reported is logged a moment before /metrics counts it (emit logs,
+        # then observes): wait for the distance asserted below, not only the set.
         after = wait_until(lambda: (s := _scrape(port))['skilltrain_sets{state="done"}'] == 1
-                           and s, 5, message="the done set in /metrics")
+                           and 'skilltrain_craft_distance{run="r1"}' in s and s, 5,
+                           message="the done set and the step's distance in /metrics")
         llm_server.default = lambda request: Reply.status(400)
         _write_step(ws, "r2", 0, scenes=3, lines=6)
         wait_until(lambda: ws.events("loss.failed"), 20, message="loss.failed")
