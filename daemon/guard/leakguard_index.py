@@ -19,7 +19,7 @@ import operator
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
@@ -330,9 +330,7 @@ class HumanIndex:
         For bulk scans (a log is mostly words the screenplay never uses): only
         runs of at least n words that all occur in the human text are hashed.
         """
-        known = bytes(map(self.words.__contains__, map(hash, toks)))
-        for run in re.finditer(b"\x01{%d,}" % self.n, known):
-            part = toks[run.start() : run.end()]
+        for part in known_runs(toks, self.words, self.n):
             if not self.seeds.isdisjoint(shingle_hashes(part, self.n)):
                 return True
             if not self.long_seeds.isdisjoint(shingle_hashes(part, self.long_n)):
@@ -344,6 +342,13 @@ class HumanIndex:
             f"HumanIndex(work={self.work!r}, n={self.n}, long_n={self.long_n}, "
             f"words={self.n_words}, shingles={len(self.episode_of)}, seeds={len(self.seeds)})"
         )
+
+
+def known_runs(toks: Sequence[str], words: frozenset[int], n: int) -> Iterator[Sequence[str]]:
+    """The runs of at least `n` tokens that are all in `words` (hashes of words)."""
+    known = bytes(map(words.__contains__, map(hash, toks)))
+    for run in re.finditer(b"\x01{%d,}" % n, known):
+        yield toks[run.start() : run.end()]
 
 
 # The indexes kept, by their words: an index costs ~340 bytes a word of key
