@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import generate_latest
+
+from skilltrain.daemon.service.metrics import Metrics
 from tests.daemon_helpers import build_workspace, run_once_in_process
 from tests.llm_server import LLMServer
 
@@ -82,6 +85,14 @@ def test_a_set_that_comes_back_unchanged_gets_its_retired_report_back_unpaid(
     assert back["range"] == "04-06" and back["reused_from"] == str(retired / "alpha_ep04-06.md")
     assert back["cost_usd"] == 0 and back["tokens_in"] == 0  # nothing paid
     assert back["claims_status"] == json.loads(first["alpha_ep04-06.json"])["claims"]["status"]
+    # Counted as written back, not as a new report: its claims were counted when it was made.
+    metrics = Metrics(lambda: {}, ["done"])
+    metrics.observe("loss.completed", back)
+    scraped = generate_latest(metrics.registry).decode()
+    assert "skilltrain_reports_reused_total 1.0" in scraped
+    assert "skilltrain_reports_total 0.0" in scraped
+    assert all(line.endswith(" 0.0") for line in scraped.splitlines()
+               if line.startswith(("skilltrain_claims_total", "skilltrain_cost_usd_total")))
     runs = [json.loads(line)["dirs"][str(reports)] for line in record.read_text().splitlines()]
     assert "alpha_ep04-06.md" in runs[-1] and "alpha_ep04-05.md" not in runs[-1]
 

@@ -129,6 +129,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.reports = Counter(f"{PREFIX}_reports", "Loss reports written", registry=r)
+        self.reports_reused = Counter(f"{PREFIX}_reports_reused",
+                                      "Retired loss reports written back unpaid", registry=r)
         self.set_failures = Counter(f"{PREFIX}_set_failures",
                                     "Loss jobs that failed or were refused",
                                     ["kind"], registry=r)
@@ -194,6 +196,11 @@ class Metrics:
         if event in ("writer.started", "step.reported") and isinstance(run, str):
             for failures in self.stage_failures.values():
                 failures.labels(run)  # at 0 from the run's first stage: increase() sees the 1st
+        if event == "loss.completed" and "reused_from" in fields:
+            # A report made, paid and counted before (retire.py): neither its
+            # tokens nor its claims are new.
+            self.reports_reused.inc()
+            return
         if event == "loss.completed":
             self.reports.inc()
         if event in PAID_EVENTS and "tokens_in" in fields:  # a reply paid for, kept or not
