@@ -196,19 +196,8 @@ class Metrics:
         if event in ("writer.started", "step.reported") and isinstance(run, str):
             for failures in self.stage_failures.values():
                 failures.labels(run)  # at 0 from the run's first stage: increase() sees the 1st
-        if event == "loss.completed" and "reused_from" in fields:
-            # A report made, paid and counted before (retire.py): neither its
-            # tokens nor its claims are new.
-            self.reports_reused.inc()
-            return
-        if event == "loss.completed":
-            self.reports.inc()
-        if event in PAID_EVENTS and "tokens_in" in fields:  # a reply paid for, kept or not
-            for kind, name in TOKEN_KINDS.items():
-                self.tokens.labels(kind).inc(_number(fields.get(name)))
-            self.cost.inc(_number(fields.get("cost_usd")))
-        if event in ("loss.completed", "loss.contradicted"):
-            self._count_claims(fields)
+        if event in PAID_EVENTS:
+            self._count_reply(event, fields)
         if event in ("loss.failed", "loss.refused", "loss.contradicted"):
             self.set_failures.labels(event.split(".")[1]).inc()
         elif event == "loss.retry":
@@ -220,6 +209,22 @@ class Metrics:
             self.stage_failures[event.split(".")[0]].labels(run).inc()
         elif event == "step.reported" and isinstance(run, str):
             self._count_step(run, fields)
+
+    def _count_reply(self, event: str, fields: Mapping[str, Any]) -> None:
+        """A reply paid for, kept or not: its tokens and cost; a report's claims."""
+        if event == "loss.completed" and "reused_from" in fields:
+            # A report made, paid and counted before (retire.py): neither its
+            # tokens nor its claims are new.
+            self.reports_reused.inc()
+            return
+        if event == "loss.completed":
+            self.reports.inc()
+        if "tokens_in" in fields:
+            for kind, name in TOKEN_KINDS.items():
+                self.tokens.labels(kind).inc(_number(fields.get(name)))
+            self.cost.inc(_number(fields.get("cost_usd")))
+        if event in ("loss.completed", "loss.contradicted"):
+            self._count_claims(fields)
 
     def _count_step(self, run: str, fields: Mapping[str, Any]) -> None:
         self.steps_reported.labels(run).inc()
