@@ -811,7 +811,10 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "base64 under a digest line", "base64 glued to a word", "base64 in a URL",
                      "hex after 0x", "base64 wrapped, in a JSON string",
                      "rot13, zero-width spaces between", "rot13, backticks inside",
-                     "base64 of UTF-16", "base64 of cp1252"]
+                     "base64 of UTF-16", "base64 of cp1252", "base32",
+                     "base32, lower case, unpadded", "bytes in decimal", "bytes as 0x, apart",
+                     "bytes in binary", "octal escapes", "hex of UTF-16, big-endian",
+                     "base64 wrapped at 16", "reversed"]
 
 
 @pytest.mark.parametrize("disguise", ENCODED_DISGUISES)
@@ -858,8 +861,9 @@ def test_an_encoded_run_is_read_once_per_run_and_never_across_two() -> None:
     first, second = (base64.b64encode(s.encode()).decode() for s in
                      ("the farm was never his", "to sell at any price"))
     views = textnorm.readings(f"{first} and then {second}", offsets=True)
-    encoded = views[2:]  # after the first reading and its rot13; each run's, in rot13 too
-    assert [v.tokens for v in encoded[::2]] == [["the", "farm", "was", "never", "his"],
+    # After the first reading, its rot13 and its reverse; each run's, so read too.
+    encoded = views[3:]
+    assert [v.tokens for v in encoded[::3]] == [["the", "farm", "was", "never", "his"],
                                                 ["to", "sell", "at", "any", "price"]]
     assert {(v.starts[0], v.ends[-1]) for v in encoded} == {  # type: ignore[index]
         (0, len(first)), (len(first) + 10, len(first) + 10 + len(second))}

@@ -35,9 +35,10 @@ Steps, in order:
    inside a word. A person reads through them; the split reading stays
    beside it for words joined by them (what_in_the_world). The claims
    parser reads statistic names this way too (`words_as_read`).
-5. Text in an encoding (textnorm_encoded): each reading in rot13, and what
-   each base64 or hex stretch decodes to, read by steps 1-5 in turn (base64
-   of base64 too), each character of it mapped to the whole stretch.
+5. Text in an encoding (textnorm_encoded): each reading in rot13 and
+   backwards, and what each base64, base32, hex or byte-list stretch
+   decodes to, read by steps 1-5 in turn (base64 of base64 too), each
+   character of it mapped to the whole stretch.
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a
@@ -71,7 +72,7 @@ DECODE_LEVELS = 4
 ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 3
+VERSION = 4
 
 _APOSTROPHE = "'"
 # One pattern per escape family, each with a literal first character: the
@@ -305,8 +306,9 @@ def readings(text: str, *, offsets: bool = False,
              encoded_levels: int = ENCODED_LEVELS) -> list[Reading]:
     """The readings of `text`: one, or three when it has format characters;
     each once more with mid-word markup joined when it has some (`_joined`);
-    each of those in rot13; then those of what its base64 or hex stretches
-    decode to (textnorm_encoded), down to `encoded_levels` encodings deep.
+    each of those in rot13, the first backwards; then those of what its encoded
+    stretches decode to (textnorm_encoded), down to `encoded_levels`
+    encodings deep.
 
     With offsets=False the origin lists are not built (the check of a clean
     text needs none); call again with offsets=True to map a hit back. The
@@ -315,7 +317,10 @@ def readings(text: str, *, offsets: bool = False,
     unescaped = _decode_escapes(text, None, None)[0]
     out = _readings(text, offsets, unescaped)
     out += [j for r in out if (j := _joined(r, offsets)) is not None]
-    out += [textnorm_encoded.rot13_reading(r) for r in out]
+    # Backwards: the first reading alone (a reversal with markup inside words
+    # too is one disguise on another; each reading more costs the audit ~15 %).
+    out += [textnorm_encoded.rot13_reading(r) for r in out] + [
+        textnorm_encoded.reversed_reading(out[0], offsets)]
     if encoded_levels:
         out += textnorm_encoded.encoded_readings(
             text, offsets, lambda inner, at: readings(

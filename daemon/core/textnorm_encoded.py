@@ -1,38 +1,44 @@
 """Text hidden in an encoding: base64 (standard or URL-safe, padded or not,
-wrapped over lines, glued to other text), hex, and rot13.
+wrapped over lines, glued to other text), base32, hex, lists of byte values
+(textnorm_numbers), rot13, and text written backwards.
 
 A reply that quotes the answer key base64-encoded is still a quote: textnorm
 reads the decoded text as one more reading of the original (its characters
 all come from the stretch that encoded them, so a redaction cuts all of it).
 Only stretches that decode to text count: a sha256 digest, a path or a long
-word decodes to bytes that are no text (UTF-8, UTF-16, or nearly-ASCII
-cp1252) and is left.
+word decodes to bytes that are no text (UTF-8, UTF-16 in either byte order,
+or nearly-ASCII cp1252) and is left.
 
 A stretch starts at a run of MIN_RUN_CHARS characters of one alphabet and
 goes on over the lines after it (a wrapped block; in a JSON string, lines
-joined by an escaped newline). It is decoded whole, at each of the four
-alignments of base64's groups (what is glued before it shifts them); failing
-that, each line alone, lines that decode side by side joined again (a digest
-on the line above is no part of it). Linear in the text. Most texts have no
-such run: one bytes.translate and one bytes.find (both C) say so.
+joined by an escaped newline); or it is lines of nothing but one alphabet,
+as short as SHORT_LINE_CHARS, with the runs that end the line before and
+start the line after (a narrow block set in prose). It is decoded whole, at
+each alignment of its groups (what is glued before it shifts them), as
+base64, else as base32; failing that, each line alone, lines that decode
+side by side joined again (a digest on the line above is no part of it).
+Linear in the text. Most texts have no such run: a bytes.translate and a
+bytes.find or a scan that skips to line breaks (C) say so.
 
-rot13 maps words to words: its readings are the other readings' words
-rotated, at their offsets, made for every text (no cheap test tells one rot13
-line in English prose) and screened by the key's words before their runs are
-hashed.
+rot13 maps words to words, and so does reading backwards: their readings are
+the other readings' words rotated or reversed, at their offsets, made for
+every text (no cheap test tells one such line in English prose) and screened
+by the key's words before their runs are hashed.
 
-Not read (bench/RESULTS.md): base64 wrapped under 24 characters a line or
-spaced in groups, lists of byte values, a quote half plain and half encoded,
-other schemes (base32, base85, other shifts).
+Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
+word, a quote half plain and half encoded, base85, quoted-printable, shifts
+other than 13, letters spelled apart, words in reverse order.
 """
 from __future__ import annotations
 
+import base64
 import binascii
 import contextlib
 import re
 import string
 from collections.abc import Callable
 
+from . import textnorm_numbers
 from .textnorm_reading import Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
@@ -74,6 +80,21 @@ _SPACED_HEX = re.compile(
     rf"(?<![0-9A-Za-z])[0-9a-fA-F]{{2}}(?:[ :][0-9a-fA-F]{{2}}){{{MIN_RUN_CHARS // 2 - 1},}}"
     r"(?![0-9A-Za-z])")
 
+# A line of base64 at its narrowest that is read: 8 characters (6 bytes).
+SHORT_LINE_CHARS = 8
+_ALPHABET_OR_BREAK = bytes(ord("A") if byte in _ALPHABET + b"=" else byte if byte == 10
+                           else ord(" ") for byte in range(256))
+# A whole line of one alphabet between a line that ends in one and a line
+# that starts with one (most texts have none; a scan of bytes).
+_SHORT_LINES = re.compile(rb"\n *A{%d,} *\n *A" % SHORT_LINE_CHARS)
+_LINE_MIN = SHORT_LINE_CHARS // 2  # the last line of a block may be shorter
+_WHOLE_LINE = re.compile(
+    rf"[ \t]*([A-Za-z0-9+/]{{{_LINE_MIN},}}={{0,2}}|[A-Za-z0-9_-]{{{_LINE_MIN},}}={{0,2}})[ \t]*")
+_TAIL = re.compile(r"(?<![A-Za-z0-9+/_=-])([A-Za-z0-9+/_-]{2,}={0,2})[ \t]*$")
+_HEAD = re.compile(r"[ \t]*([A-Za-z0-9+/_-]{2,}={0,2})(?![A-Za-z0-9+/_=-])")
+_BASE32 = re.compile(r"[A-Z2-7]+|[a-z2-7]+")
+_ASCII_LETTER = re.compile(r"[A-Za-z]")
+
 _ROTATED = "".join(letters[13:] + letters[:13]
                    for letters in (string.ascii_lowercase, string.ascii_uppercase))
 _ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), _ROTATED.encode("ascii"))
@@ -95,6 +116,18 @@ def rot13_reading(reading: Reading) -> Reading:
     return Reading(reading.original, rot13(reading.text), reading.starts, reading.ends,
                    rot13(" ".join(reading.tokens)).split(), focus=reading.focus,
                    screen_first=True)
+
+
+def reversed_reading(reading: Reading, offsets: bool) -> Reading:
+    """`reading` backwards, a quote written from its last letter to its first
+    (its words are the reading's in reverse order, each reversed: one C call)."""
+    size = len(reading.text)
+    starts = ends = None
+    if offsets:
+        starts = (reading.starts if reading.starts is not None else list(range(size)))[::-1]
+        ends = (reading.ends if reading.ends is not None else list(range(1, size + 1)))[::-1]
+    return Reading(reading.original, reading.text[::-1], starts, ends,
+                   " ".join(reading.tokens)[::-1].split(), screen_first=True)
 
 
 def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[Reading]],
@@ -141,7 +174,52 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
         for m in _SPACED_HEX.finditer(text):
             if (decoded := _as_text(bytes.fromhex(m.group().replace(":", " ")))) is not None:
                 found.append((m.start(), m.end(), decoded))
+    found += [(start, end, decoded) for start, end, data in textnorm_numbers.byte_lists(text)
+              if (decoded := _as_text(data)) is not None]
+    lines = raw.translate(_ALPHABET_OR_BREAK, b"\r")
+    if any(lines[max(0, m.start() - 8):m.start()].rstrip(b" ").endswith(b"A")
+           for m in _SHORT_LINES.finditer(lines)):  # starting with a line break: C skips to it
+        found += _short_wrapped(text)
     return sorted(set(found))
+
+
+def _short_wrapped(text: str) -> list[tuple[int, int, str]]:
+    """Blocks wrapped in lines too short to start one (base64 at 16 a line):
+    lines that are nothing but one alphabet, with the run that ends the line
+    before them and the one that starts the line after (a block set in prose),
+    MIN_RUN_CHARS in all. Decoded whole, with or without those two runs."""
+    lines, at = [], 0
+    for line in text.splitlines(keepends=True):
+        lines.append((at, at + len(line.rstrip("\r\n"))))
+        at += len(line)
+    whole = [_whole_line(text, s, e) for s, e in lines]
+    found: list[tuple[int, int, str]] = []
+    k = 0
+    while k < len(lines):
+        if whole[k] is None:
+            k += 1
+            continue
+        last = k
+        while last + 1 < len(lines) and whole[last + 1] is not None:
+            last += 1
+        block = [span for span in whole[k:last + 1] if span is not None]
+        tail = _TAIL.search(text, *lines[k - 1]) if k else None
+        head = _HEAD.match(text, *lines[last + 1]) if last + 1 < len(lines) else None
+        before = [tail.span(1)] if tail else []
+        after = [head.span(1)] if head else []
+        for runs in (before + block + after, before + block, block + after, block):
+            if len(runs) > 1 and sum(e - s for s, e in runs) >= MIN_RUN_CHARS and (
+                    decoded := _decode_run("".join(text[s:e] for s, e in runs))):
+                found.append((runs[0][0], runs[-1][1], decoded))
+                break
+        k = last + 1
+    return found
+
+
+def _whole_line(text: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span of the line's text if it is nothing but one alphabet."""
+    m = _WHOLE_LINE.fullmatch(text, start, end)
+    return m.span(1) if m else None
 
 
 def _long_regions(text: str, marked: bytes) -> list[tuple[int, int]]:
@@ -241,6 +319,23 @@ def _decode_run(run: str) -> str | None:
             continue
         if (decoded := _as_text(data)) is not None:
             return decoded
+    return _decode_base32(run.rstrip("="))
+
+
+def _decode_base32(body: str) -> str | None:
+    """Base32 (RFC 4648: A-Z and 2-7, in one case) at whichever of its eight
+    alignments reads as text."""
+    if not _BASE32.fullmatch(body):
+        return None
+    for cut in range(8):
+        piece = body[cut:]
+        piece = piece[: len(piece) - len(piece) % 8] if len(piece) % 8 in (1, 3, 6) else piece
+        try:
+            data = base64.b32decode(piece + "=" * (-len(piece) % 8), casefold=True)
+        except binascii.Error:
+            continue
+        if (decoded := _as_text(data)) is not None:
+            return decoded
     return None
 
 
@@ -258,10 +353,13 @@ def _as_text(data: bytes) -> str | None:
 
 def _other_encoding(data: bytes) -> str | None:
     if len(data) >= 4 and data.count(0) >= len(data) // 3:  # UTF-16 or UTF-32 text
-        for codec in ("utf-16", "utf-16-le", "utf-16-be", "utf-32"):
+        # Each byte order decodes; the wrong one is letters of no script the
+        # text is in. Kept: the one with the most ASCII letters.
+        decoded = []
+        for codec in ("utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-be"):
             with contextlib.suppress(UnicodeDecodeError):
-                return data.decode(codec)
-        return None
+                decoded.append(data.decode(codec))
+        return max(decoded, key=lambda t: len(_ASCII_LETTER.findall(t)), default=None)
     other = len(data.translate(None, _SHOWN_ASCII))  # bytes that are not shown ASCII
     return data.decode("cp1252", "replace") if other <= (1 - MIN_SHOWN_SHARE) * len(data) \
         else None

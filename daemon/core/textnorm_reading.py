@@ -41,7 +41,10 @@ class Reading:
         for i, m in enumerate(WORD.finditer(self.text)):
             if wanted is None or i in wanted:
                 s, e = m.span()
-                spans[i] = (s, e) if starts is None or ends is None else (starts[s], ends[e - 1])
+                # Both ends of the word looked at: a reading backwards runs its
+                # origins from the last character to the first.
+                spans[i] = (s, e) if starts is None or ends is None else (
+                    min(starts[s], starts[e - 1]), max(ends[s], ends[e - 1]))
                 if i == last:
                     break
         return spans

@@ -209,8 +209,9 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
             mapped = mapped or textnorm.readings(text, offsets=True)
             view = mapped[k]
         where = view.token_spans(wanted)
-        spans += [(where[first][0], where[last][1], episode, last - first + 1)
-                  for first, last, episode in found]
+        # min/max: a reading backwards (textnorm) has its first word last.
+        spans += [(min(where[first][0], where[last][0]), max(where[first][1], where[last][1]),
+                   episode, last - first + 1) for first, last, episode in found]
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
             for s, e, ep, w in _merge_spans(spans)]
 

@@ -141,6 +141,19 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "base64 of UTF-16": lambda s: base64.b64encode(s.encode("utf-16-le")).decode(),
     "base64 of cp1252": lambda s: base64.b64encode(
         s.replace("'", "\u2019").encode("cp1252", "replace")).decode(),
+    # What the first readings of encodings left (issue 36, thirteenth pass):
+    # other schemes, bytes as lists of numbers, narrow wrapping, a reversal.
+    "base32": lambda s: base64.b32encode(s.encode()).decode(),
+    "base32, lower case, unpadded": lambda s: base64.b32encode(s.encode()).decode().lower()
+    .rstrip("="),
+    "bytes in decimal": lambda s: ", ".join(str(b) for b in s.encode()),
+    "bytes as 0x, apart": lambda s: " ".join(f"0x{b:02X}" for b in s.encode()),
+    "bytes in binary": lambda s: " ".join(f"{b:08b}" for b in s.encode()),
+    "octal escapes": lambda s: "".join(f"\\{b:03o}" for b in s.encode()),
+    "hex of UTF-16, big-endian": lambda s: s.encode("utf-16-be").hex(),
+    "base64 wrapped at 16": lambda s: "\n".join(re.findall(".{1,16}",
+                                                          base64.b64encode(s.encode()).decode())),
+    "reversed": lambda s: s[::-1],
 }
 
 
