@@ -442,6 +442,29 @@ def bench_corpus(example: dict[int, str], draft: dict[int, str]) -> None:
               + ", ".join(f"{k} {v}" for k, v in fp.items()))
     missed = [q for q in quotes if not _caught(HumanIndex.build("key", key), q, str)]
     print(f"  chosen rules miss {len(missed)} line(s), every word stock: {missed}")
+    bench_spelled(key, quotes, {"Brick & Steel": brick, "reports": reports,
+                                "example human": "\n".join(example.values()),
+                                "example draft": "\n".join(draft.values())}, example, draft)
+
+
+def bench_spelled(key: dict[int, str], quotes: list[str], controls: dict[str, str],
+                  example: dict[int, str], draft: dict[int, str]) -> None:
+    """The key spelled out (leakguard_spelled): recall per disguise, and false
+    positives on independent text spelled out the same way, line by line."""
+    index = HumanIndex.build("key", key)
+    ex = HumanIndex.build("example", example)
+    for name, spell in adversarial.SPELLED_DISGUISES.items():
+        found = sum(_caught(index, q, spell) for q in quotes)
+        fp = {label: len(find_leaks(_spelled_lines(text, spell), index))
+              for label, text in controls.items()}
+        fp["draft vs example"] = len(find_leaks(_spelled_lines("\n".join(draft.values()), spell),
+                                                ex))
+        print(f"  spelled out, {name}: recall {found}/{len(quotes)}; false-positive spans: "
+              + ", ".join(f"{k} {v}" for k, v in fp.items()))
+
+
+def _spelled_lines(text: str, spell: Callable[[str], str]) -> str:
+    return "\n".join(spell(line) for line in text.splitlines() if len(line.split()) >= 3)
 
 
 def _write_log(path: Path, mib: int, rng: random.Random) -> int:

@@ -839,6 +839,54 @@ def test_a_quote_in_an_encoding_is_found_and_its_whole_run_cut(disguise: str) ->
         assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
 
 
+@pytest.mark.parametrize("disguise", [
+    "letter-spaced", "letter-spaced, words three apart", "letters dotted",
+    "letters hyphenated, upper", "letters spaced by zero-width spaces"])
+def test_a_quote_spelled_out_is_found_by_its_letters_and_cut(disguise: str) -> None:
+    # Spelled letter by letter, or its words run together, a line has no words
+    # left to match: its letters are matched (leakguard_spelled). Every line of
+    # the key but those too short or of stock words only, by the guard, the
+    # log's and state's check, and the audit's bulk test.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    missed = set()
+    for line in adversarial.quotable_lines(key):
+        report = adversarial.report_quoting(adversarial.SPELLED_DISGUISES[disguise](line))
+        leaks = find_leaks(report, index)
+        if not leaks:
+            missed.add(line)
+            continue
+        cut = redact(report, leaks)
+        assert "The model explains the same beat twice." in cut
+        assert find_leaks(cut, index) == []
+        assert leakguard.AnswerKeys([index]).leaks(report)
+        assert leakguard.may_leak(textnorm.readings(report), index)
+    assert missed <= adversarial.SPELLED_MISSES
+
+
+def test_text_spelled_out_that_is_not_the_key_or_is_the_models_own_is_no_leak() -> None:
+    # Independent text spelled out shares no window of the key's letters; a
+    # line the model wrote too (allowed) may be spelled out in its report.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    example = "\n".join(p.read_text(encoding="utf-8") for p in sorted(
+        (Path(__file__).resolve().parent.parent / "data" / "example").glob("*/ep*.txt")))
+    for text in ((adversarial.CORPUS / "brick_and_steel.txt").read_text(encoding="utf-8"),
+                 (adversarial.CORPUS / "reports.md").read_text(encoding="utf-8"), example):
+        lines = [line for line in text.splitlines() if len(line.split()) >= 3]
+        assert len(lines) > 30
+        for spell in adversarial.SPELLED_DISGUISES.values():
+            assert find_leaks("\n".join(map(spell, lines)), index) == []
+    line = "Lester thrusts his face directly into a steaming hot shower."
+    report = adversarial.report_quoting(adversarial.SPELLED_DISGUISES["letter-spaced"](line))
+    assert find_leaks(report, index)
+    assert find_leaks(report, index, allow_text=f"He sits.\n{line}\nHe stands.") == []
+
+
 def test_runs_that_decode_to_no_text_are_not_read() -> None:
     # A digest, a path, an identifier, a token: base64 or hex by their letters,
     # but what they decode to is not text, so no reading is added for them.

@@ -10,6 +10,11 @@ import re
 from dataclasses import dataclass, field
 
 WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
+# Letters in a row that `Reading.spelled` gives the guard (leakguard_spelled).
+SPELLED_CHARS = 24
+# Eight words of one character in a row: a text spelled letter by letter (a C
+# scan of the words joined; then they are walked).
+_SINGLES = re.compile(r" \w \w \w \w \w \w \w \w ")
 
 
 @dataclass
@@ -32,6 +37,17 @@ class Reading:
     # A reading that seldom holds a quote (rot13): the guard first asks whether
     # its words are the key's at all (HumanIndex.may_match) before hashing runs.
     screen_first: bool = False
+    _spelled: list[tuple[str, list[int]]] | None = field(default=None, repr=False,
+                                                         compare=False)
+
+    def spelled(self) -> list[tuple[str, list[int]]]:
+        """The stretches of this reading that spell text without its words: one
+        character a word for SPELLED_CHARS words or more ("w h a t a l a m e o"),
+        or one word of SPELLED_CHARS characters or more ("whatalameo..."). Each
+        as its letters and the number of the word each letter is in."""
+        if self._spelled is None:
+            self._spelled = _spelled(self.tokens)
+        return self._spelled
 
     def token_spans(self, wanted: set[int] | None = None) -> dict[int, tuple[int, int]]:
         """(start, end) in the original text of the tokens numbered `wanted` (default all)."""
@@ -48,3 +64,19 @@ class Reading:
                 if i == last:
                     break
         return spans
+
+
+def _spelled(toks: list[str]) -> list[tuple[str, list[int]]]:
+    found = []
+    if max(map(len, toks), default=0) >= SPELLED_CHARS:  # C: no Python step a word
+        found += [(t, [k] * len(t)) for k, t in enumerate(toks) if len(t) >= SPELLED_CHARS]
+    if _SINGLES.search(f" {' '.join(toks)} "):
+        run: list[int] = []
+        for k, t in enumerate([*toks, ""]):  # "": the last run ends
+            if len(t) == 1:
+                run.append(k)
+                continue
+            if len(run) >= SPELLED_CHARS:
+                found.append(("".join(toks[i] for i in run), run))
+            run = []
+    return found

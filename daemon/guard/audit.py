@@ -167,7 +167,7 @@ def _scan_view(
     """Hits in one chunk: bulk hash test first, offsets only on a hit."""
     views = textnorm.readings(view)
     for index in indexes:
-        if not any(index.may_match(v.tokens) for v in views):
+        if not leakguard.may_leak(views, index):
             continue
         for leak in leakguard.find_leaks(view, index, views=views, allow_text=allow_text):
             yield Hit(

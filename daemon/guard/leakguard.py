@@ -66,6 +66,7 @@ from typing import Protocol
 
 from ..core import textnorm
 from ..core.textnorm import Reading
+from . import leakguard_spelled
 from .leakguard_index import (
     LONG_MIN_CONTENT_WORDS,
     LONG_RUN_WORDS,
@@ -111,6 +112,7 @@ class _Allowed:
 
     short: frozenset[int] = frozenset()
     long: frozenset[int] = frozenset()
+    spelled: frozenset[int] = frozenset()  # its letter windows (leakguard_spelled)
 
     @classmethod
     def of(cls, text: str, index: HumanIndex) -> _Allowed:
@@ -118,13 +120,15 @@ class _Allowed:
             return cls()
         toks = tokens(text)
         return cls(frozenset(shingle_hashes(toks, index.n)),
-                   frozenset(shingle_hashes(toks, index.long_n)))
+                   frozenset(shingle_hashes(toks, index.long_n)),
+                   leakguard_spelled.allowed_windows(toks))
 
     @classmethod
     def union(cls, parts: Iterable[_Allowed]) -> _Allowed:
         both = list(parts)
         return cls(frozenset().union(*(a.short for a in both)),
-                   frozenset().union(*(a.long for a in both)))
+                   frozenset().union(*(a.long for a in both)),
+                   frozenset().union(*(a.spelled for a in both)))
 
 
 _recent_allowed: dict[tuple[str, int, str], _Allowed] = {}
@@ -189,31 +193,70 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
     spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
     allowed: _Allowed | None = None
     mapped: list[Reading] | None = None  # the readings with offsets: made once, on a hit
-    for k, view in enumerate(views):
-        if view.screen_first and not index.may_match(view.tokens):
-            continue  # its words are not the key's: no run of them can be
-        key = (k, index.n, index.long_n)
-        hashes = hashed.get(key) if hashed is not None else None
-        if hashes is None:
-            hashes = _hashes(view, index.n, index.long_n)
-            if hashed is not None:
-                hashed[key] = hashes
-        if index.episode_of.keys().isdisjoint(hashes):
-            continue  # the common case: no offsets needed
+
+    def allowed_now() -> _Allowed:
+        nonlocal allowed
         allowed = allowed or allow()
-        found = _token_spans(view.tokens, hashes, index, allowed)
+        return allowed
+
+    for k, view in enumerate(views):
+        # first word, last word, episode, words
+        found = _spelled_spans(view, index, allowed_now)
+        if not view.screen_first or index.may_match(view.tokens):  # else no run can be the key's
+            key = (k, index.n, index.long_n)
+            hashes = hashed.get(key) if hashed is not None else None
+            if hashes is None:
+                hashes = _hashes(view, index.n, index.long_n)
+                if hashed is not None:
+                    hashed[key] = hashes
+            if not index.episode_of.keys().isdisjoint(hashes):  # rare: offsets needed
+                found += [(first, last, episode, last - first + 1) for first, last, episode
+                          in _token_spans(view.tokens, hashes, index, allowed_now())]
         if not found:
             continue
-        wanted = {i for first, last, _ in found for i in (first, last)}
+        wanted = {i for first, last, *_ in found for i in (first, last)}
         if view.text is not text:  # escapes decoded or letters folded: map back
             mapped = mapped or textnorm.readings(text, offsets=True)
             view = mapped[k]
         where = view.token_spans(wanted)
         # min/max: a reading backwards (textnorm) has its first word last.
         spans += [(min(where[first][0], where[last][0]), max(where[first][1], where[last][1]),
-                   episode, last - first + 1) for first, last, episode in found]
+                   episode, words) for first, last, episode, words in found]
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
             for s, e, ep, w in _merge_spans(spans)]
+
+
+def may_leak(views: Sequence[Reading], index: HumanIndex) -> bool:
+    """False if no reading can hold the key: a bulk test before `find_leaks`
+    (the audit, the log seal). True: look closer."""
+    return any(index.may_match(v.tokens) for v in views) or _spells(views)
+
+
+def _spells(views: Sequence[Reading]) -> bool:
+    """Does a reading spell text out (leakguard_spelled)? Its words are no
+    test of that."""
+    return any(v.spelled() for v in views if _read_spelled(v))
+
+
+def _read_spelled(view: Reading) -> bool:
+    """The readings the key spelled out is looked for in: the first ones, not
+    rot13 or backwards (screened) or the markup reading (the first's words)."""
+    return not view.screen_first and view.focus is None
+
+
+def _spelled_spans(view: Reading, index: HumanIndex,
+                   allowed: Callable[[], _Allowed]) -> list[tuple[int, int, int, int]]:
+    """(first word, last word, episode, words) of the key spelled out in the
+    view (leakguard_spelled): in its first readings, not rot13 or backwards."""
+    if not _read_spelled(view) or not index.spelled:
+        return []
+    out = []
+    for letters, word_of in view.spelled():
+        if found := leakguard_spelled.hits(letters, index.spelled):
+            found = leakguard_spelled.hits(letters, index.spelled, allowed().spelled)
+        out += [(word_of[first], word_of[end - 1], episode, words)
+                for first, end, episode, words in found]
+    return out
 
 
 def _hashes(view: Reading, n: int, long_n: int) -> list[int]:
@@ -334,11 +377,12 @@ class AnswerKeys:
         if not self.indexes:
             return []
         views = textnorm.readings(text)
-        if not any(next(known_runs(v.tokens, self._words, self._n), None) for v in views):
+        if not any(next(known_runs(v.tokens, self._words, self._n), None) for v in views) \
+                and not _spells(views):
             return []  # no run of any work's words: the common log field
         found: list[Leak] = []
         for index in self.indexes:
-            if any(index.may_match(v.tokens) for v in views):
+            if may_leak(views, index):
                 found += _find(text, views, index, _Allowed)
         return sorted(found, key=lambda k: k.start)
 

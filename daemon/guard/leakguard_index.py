@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
+from . import leakguard_spelled
+from .leakguard_spelled import SPELLED_CHARS
 
 SHINGLE_WORDS = 7
 LONG_RUN_WORDS = 8
@@ -238,6 +240,8 @@ class HumanIndex:
     # sha256 of each episode's text: two indexes with the same set are one key
     # under two names (job_keys.other_works reads it once).
     episode_digests: frozenset[str]
+    # The key's words run together: letter windows (leakguard_spelled).
+    spelled: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -268,6 +272,7 @@ class HumanIndex:
         long_runs: set[int] = set()
         long_seeds: set[int] = set()
         words: set[int] = set()
+        spelled: dict[int, tuple[int, int]] = {}
         n_words = 0
         # Last episode first, so that the first episode a shingle occurs in wins.
         for number in sorted(streams, reverse=True):
@@ -278,6 +283,7 @@ class HumanIndex:
             # line or parenthetical: "AUCTION" in a scene heading says nothing,
             # "auction" in a line of dialogue does.
             full_weak = [f or t in weak_words for t, f in zip(st.full, st.furniture, strict=True)]
+            spelled.update(leakguard_spelled.key_windows(st.full, full_weak, number))
             free_weak = [t in weak_words for t in st.free]
             # Rule 1 reads the lines, and any one line whole; a run across
             # a heading and the cue after it is the story's (a closed-book
@@ -312,7 +318,7 @@ class HumanIndex:
         return cls(
             work=work,
             digest=_digest(work, episodes, n, min_content, long_n,
-                           f"{long_min_content}/{long_reach}"),
+                           f"{long_min_content}/{long_reach}/{SPELLED_CHARS}"),
             n=n,
             long_n=long_n,
             n_words=n_words,
@@ -322,6 +328,7 @@ class HumanIndex:
             long_seeds=frozenset(long_seeds),
             words=frozenset(words),
             episode_digests=frozenset(map(dataset.sha256_text, episodes.values())),
+            spelled=spelled,
         )
 
     def may_match(self, toks: Sequence[str]) -> bool:
@@ -369,7 +376,7 @@ def index_for(work: str, episodes: Mapping[int, str]) -> HumanIndex:
     each building it; a big work never blocks the jobs of another.
     """
     key = _digest(work, episodes, SHINGLE_WORDS, MIN_CONTENT_WORDS, LONG_RUN_WORDS,
-                  f"{LONG_MIN_CONTENT_WORDS}/{LONG_REACH}")
+                  f"{LONG_MIN_CONTENT_WORDS}/{LONG_REACH}/{SPELLED_CHARS}")
     while True:
         with _cache_lock:
             index = _cache.get(key)

@@ -156,6 +156,22 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "reversed": lambda s: s[::-1],
 }
 
+# The line spelled out: its words are gone, its letters stay (leakguard_spelled).
+# Read by letter windows, so a line under SPELLED_CHARS letters, or of stock
+# words only, is not found (SPELLED_MISSES); kept apart from DISGUISES, whose
+# every entry finds every line.
+SPELLED_DISGUISES: dict[str, Callable[[str], str]] = {
+    "letter-spaced": lambda s: " ".join(s),
+    "letter-spaced, words three apart": lambda s: "   ".join(" ".join(w) for w in s.split()),
+    "letters dotted": lambda s: " ".join(".".join(w) for w in s.split()),
+    "letters hyphenated, upper": lambda s: " ".join("-".join(w) for w in s.upper().split()),
+    "letters spaced by zero-width spaces": lambda s: "\u200b".join(s.replace(" ", "")),
+}
+SPELLED_MISSES = {
+    "But I don't want to lie to her.",  # 22 letters
+    "Well, you want to know how things went at my job today?",  # stock words only
+}
+
 
 def key() -> dict[int, str]:
     """The answer key: episode number -> text."""

@@ -1,0 +1,74 @@
+"""The key spelled out: letter by letter ("w h a t  a  l a m e - o") or its
+words run together ("WhatALameO").
+
+Words are gone in such text, so shingles of words cannot find it; letters
+are still there. The index keeps, for every word of the key, the hash of
+the SPELLED_CHARS letters that start at it (the key's words run together),
+if those letters hold a whole word that is not stock or a name (a spelled
+"idontknowwhatyoumean" is no leak: rule 2's bar, lowered, as a text
+spelled out at all is rare and never a coincidence). The
+guard slides the same window over each stretch a reading spells
+(textnorm_reading.Reading.spelled); a window the model's own text also has
+is allowed, as its shingles are.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+# Letters in a row that are the key (a short line of the key run together,
+# "butidontwanttolietoher", is 22), with a word among them that is not stock.
+from ..core.textnorm_reading import SPELLED_CHARS
+
+SPELLED_MIN_CONTENT = 1
+
+
+def key_windows(toks: Sequence[str], weak: Sequence[bool],
+                episode: int) -> dict[int, tuple[int, int]]:
+    """hash of the SPELLED_CHARS letters from each word on -> (episode, whole
+    words among them), for windows with SPELLED_MIN_CONTENT words not `weak`."""
+    stream = "".join(toks)
+    starts = list(itertools.accumulate(map(len, toks), initial=0))
+    out: dict[int, tuple[int, int]] = {}
+    inside = content = 0  # words wholly in the window [starts[i], end), and how many not weak
+    for i in range(len(toks)):
+        end = starts[i] + SPELLED_CHARS
+        if end > len(stream):
+            break
+        if inside < i:  # a word longer than the window: start afresh after it
+            inside, content = i, 0
+        while inside < len(toks) and starts[inside + 1] <= end:
+            content += not weak[inside]
+            inside += 1
+        if content >= SPELLED_MIN_CONTENT:
+            out[hash(stream[starts[i]:end])] = (episode, inside - i)
+        if inside > i:
+            content -= not weak[i]
+    return out
+
+
+def allowed_windows(toks: Sequence[str]) -> frozenset[int]:
+    """Every window of the model's text (run together), from each word on."""
+    stream = "".join(toks)
+    return frozenset(hash(stream[s:s + SPELLED_CHARS])
+                     for s in itertools.accumulate(map(len, toks[:-1]), initial=0)
+                     if s + SPELLED_CHARS <= len(stream))
+
+
+def hits(letters: str, windows: Mapping[int, tuple[int, int]],
+         allowed: Iterable[int] | None = None) -> list[tuple[int, int, int, int]]:
+    """(first letter, end, episode, words) of each stretch of `letters` made of
+    key windows, overlapping windows merged; windows in `allowed` left out."""
+    found: list[tuple[int, int, int, int]] = []
+    allow = frozenset(allowed or ())
+    for at in range(len(letters) - SPELLED_CHARS + 1):
+        window = hash(letters[at:at + SPELLED_CHARS])
+        if (hit := windows.get(window)) is None or window in allow:
+            continue
+        episode, words = hit
+        if found and at <= found[-1][1]:  # overlaps or touches the stretch before
+            first, _, ep, n = found[-1]
+            found[-1] = (first, at + SPELLED_CHARS, ep, n + 1)
+        else:
+            found.append((at, at + SPELLED_CHARS, episode, words))
+    return found
