@@ -111,6 +111,38 @@ def test_a_set_that_comes_back_unchanged_gets_its_retired_report_back_unpaid(
         (reports / "alpha_ep04-06.json").read_bytes() != first["alpha_ep04-06.json"]
 
 
+def test_a_set_held_by_the_budget_still_gets_its_retired_report_back(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # Over budget, a set is held unsent; but its retired report costs nothing
+    # to give back, so it comes back all the same, and the step completes.
+    ws = build_workspace(tmp_path / "ws", llm_server.url, works={"alpha": 6},
+                         extra="[integrity]\naudit_on_start = false\n")
+    priced = ws.config_path.read_text().replace('model = "openai/loopback-model"',
+                                                'model = "openai/gpt-4o-mini"')
+    ws.config_path.write_text(priced)
+    ws.write_step("r1", 0, 0, success=True)
+    run_once_in_process(ws)  # both sets paid for
+    reports = ws.runs / "r1" / "loss" / "epoch_00" / "step_00"
+    episode = ws.data / "alpha" / "human" / "ep06.txt"
+    kept = episode.read_bytes()
+    episode.unlink()
+    run_once_in_process(ws)  # 04-05 paid for, the step reported, 04-06's report retired
+    assert not (reports / "alpha_ep04-06.md").exists()
+    ws.config_path.write_text(priced.replace("[loss]", "budget_usd = 0.000001\n\n[loss]"))
+    calls = len(llm_server.requests)
+    episode.write_bytes(kept)
+    run_once_in_process(ws)
+    assert len(llm_server.requests) == calls
+    (back,) = [e for e in ws.events("loss.completed") if e.get("reused_from")]
+    assert back["range"] == "04-06" and (reports / "alpha_ep04-06.md").exists()
+    assert ws.events("step.reported")[-1]["sets"] == 2
+    # The budget still holds a set that has no retired report.
+    (ws.scripts("r1", 0, 0, "alpha") / "ep01.txt").write_text("INT. NEW - DAY\n\nNew.\n")
+    time.sleep(0.05)
+    run_once_in_process(ws)
+    assert len(llm_server.requests) == calls and ws.events("budget.reached")
+
+
 def _a_step_with_one_set(tmp_path: Path) -> tuple[Path, Any, Path, Any]:
     """runs/, step r1 0 0, its reports folder, and its one set (alpha 01-03), reported."""
     from skilltrain.daemon.core import layout

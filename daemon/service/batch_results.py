@@ -104,8 +104,7 @@ class Results:
 
     def _ticket(self, set_id: str) -> Ticket | None:
         with self._lock:
-            carried = self._outcomes.get(set_id)
-        return carried[0] if carried else None
+            return carried[0] if (carried := self._outcomes.get(set_id)) else None
 
     def _decided(self, set_id: str, decision: Decision) -> None:
         """The set's Decision to its owner: the batch is done with it."""
@@ -140,9 +139,10 @@ class Results:
         refused = self.refused_key()
         for n, (ticket, outcome) in enumerate(waiting):
             self._carry(ticket, outcome)
-            if refused is not None:  # gathered before the key was refused: not uploaded
-                self._decided(ticket.key.id, held(ticket.key, self.runs, refused,
-                                                  ticket.attempts))
+            # Gathered before the key was refused: not uploaded, its retired report tried.
+            hold = held(ticket.key, self.runs, refused, ticket.attempts) if refused else None
+            if hold and not self.pipeline.has_retired(ticket.key):
+                self._decided(ticket.key.id, hold)
                 continue
             try:
                 prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
@@ -150,8 +150,8 @@ class Results:
             except Exception as e:  # refused input, a template error: as a live job says it
                 self._run(ticket, _raiser(e))
                 continue
-            if reused is not None:  # its retired report is back: nothing to upload
-                self._decided(ticket.key.id, reused)
+            if (done := reused or hold) is not None:  # its retired report is back, or held
+                self._decided(ticket.key.id, done)
                 continue
             custom_id = f"s{n:04d}"
             items.append(BatchItem(custom_id, ticket.key.id, prepared.hashes.as_dict(),

@@ -238,17 +238,32 @@ class Jobs:
 
     def _check_wanted(self, ticket: Ticket) -> None:
         """Is a queued job still to run, now that it has a slot? Raises NotWanted if not."""
+        self._check_current(ticket)
+        if (held := self.budget.hold(ticket.key)) is not None:
+            raise NotWanted(held)  # queued before the budget ran out; it must not start now
+
+    def _check_current(self, ticket: Ticket) -> None:
+        """Raises NotWanted if the daemon stops or the set changed while queued."""
         key = ticket.key
         if self.stopping.is_set():
             raise NotWanted()
         if sigs_digest(observe(key, self.runs, self.cfg.paths.data).sigs) != ticket.fp.sigs:
             # Changed while queued: its settle wait starts again.
             raise NotWanted(Decision.look(Revisit(key)))
-        if (held := self.budget.hold(key)) is not None:
-            raise NotWanted(held)  # queued before the budget ran out; it must not start now
+
+    def _reuse(self, ticket: Ticket) -> None:
+        """Raises NotWanted(done) if the set's retired report came back (pipeline.reuse)."""
+        self._check_current(ticket)
+        prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
+        if (reused := self.pipeline.reuse(ticket, prepared)) is not None:
+            raise NotWanted(reused)  # no call to make
 
     async def _run_loss(self, ticket: Ticket, outcome: Outcome) -> None:
         settings = self.cfg.llm
+        if self.pipeline.has_retired(ticket.key):
+            # Its retired report may come back unpaid: before anything that holds
+            # the call back (the endpoint's room, a refused key, the budget).
+            await self._in_pool(self._reuse, ticket)
         # Held from before the inputs are read until the outcome is decided
         # (spend included), given back during backoffs.
         slot = Slot(self.limiters.for_endpoint(settings.model, settings.api_base),
@@ -289,8 +304,6 @@ class Jobs:
         self._check_wanted(ticket)
         outcome.note(SetState.RUNNING)
         prepared = self.pipeline.prepare(ticket.key, ticket.work, ticket.fp.sigs)
-        if (reused := self.pipeline.reuse(ticket, prepared)) is not None:
-            raise NotWanted(reused)  # its retired report is back: no call to make
         settings = self.llm_settings(ticket.key.run)
         self.emit("loss.started", prompt_chars=len(prepared.prompt),
                   prompt_tokens=prepared.prompt_tokens, attempt=ticket.attempts + 1)

@@ -84,8 +84,8 @@ class Pipeline:
         seal, under the landing gate, as a report is, and the set done, unpaid.
         None: there is none (the set is reported afresh)."""
         key, job = ticket.key, prepared.job
-        if not retire.retired_dir(self.runs, key.step_key).is_dir():
-            return None  # the step never retired a report: one stat, no gate
+        if not retire.has_retired(self.runs, key):
+            return None  # the step never retired this set's report: no gate
         with log.bound_job(job_id=ticket.job_id, **key.log_fields()), \
                 self.folders.landing(key):
             for retired, report, sidecar, data in retire.retired_copies(
@@ -107,6 +107,10 @@ class Pipeline:
                         path.unlink()
                 return self.outcomes.reused(key, ticket.fp, retired[0], data)
         return None
+
+    def has_retired(self, key: layout.SetKey) -> bool:
+        """May `reuse` give this set's report back? (A stat, or a listing.)"""
+        return retire.has_retired(self.runs, key)
 
     def _same_integrity(self, sidecar: dict[str, Any]) -> bool:
         """Was the report written as [integrity] would write it now? A report with

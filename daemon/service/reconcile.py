@@ -39,6 +39,7 @@ from ..core.notify import Heartbeat
 from ..core.templates import PromptTemplates
 from ..infra import log
 from ..infra.state import SetState, StateStore
+from . import retire
 from .budget import Budget
 from .decision import FORGET, NOTHING, Decision, Ticket
 from .discovery import Discovery
@@ -263,7 +264,11 @@ class Reconciler:
 
     def _held(self, key: layout.SetKey, report_exists: bool) -> Decision | None:
         """Over budget, or the provider refuses the key: not sent (it would be
-        refused too; the endpoint's unblocking rescans)."""
+        refused too; the endpoint's unblocking rescans). Unless its retired
+        report may come back, unpaid: the transport tries that first, then
+        holds it as here (jobs.py, batch_results.py)."""
+        if retire.has_retired(self.runs, key):
+            return None
         if (held := self.budget.hold(key)) is not None:
             return held
         if (refused := self.refused_key()) is not None:

@@ -113,6 +113,18 @@ def retired_dir(runs: Path, step: layout.StepKey) -> Path:
             / f"step_{step.step:02d}")
 
 
+def has_retired(runs: Path, key: layout.SetKey) -> bool:
+    """Does the step keep a retired sidecar of this set's name (retired_copies
+    may give its report back)? One stat for a step that retired nothing."""
+    folder = retired_dir(runs, key.step_key)
+    if not folder.is_dir():
+        return False
+    sidecar_name = f"{key.report_path(runs).stem}.json"
+    with contextlib.suppress(OSError):
+        return any(_copy_of(name, sidecar_name) for name in os.listdir(folder))
+    return False
+
+
 def retire_strays(runs: Path, step: layout.StepKey, expected: Iterable[layout.SetKey],
                   emit: Emit) -> bool:
     """Move the loss files of sets `step` does not have out of its reports folder
