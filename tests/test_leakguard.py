@@ -814,7 +814,10 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "base64 of UTF-16", "base64 of cp1252", "base32",
                      "base32, lower case, unpadded", "bytes in decimal", "bytes as 0x, apart",
                      "bytes in binary", "octal escapes", "hex of UTF-16, big-endian",
-                     "base64 wrapped at 16", "reversed"]
+                     "base64 wrapped at 16", "reversed", "bytes in decimal, 12 a line",
+                     "bytes as 0x, a C array's rows", "hex bytes apart by commas",
+                     "octal escapes in a JSON string", "base64 at 16, in a JSON string",
+                     "base64 at 16, quoted in Markdown"]
 
 
 @pytest.mark.parametrize("disguise", ENCODED_DISGUISES)
@@ -885,6 +888,26 @@ def test_text_spelled_out_that_is_not_the_key_or_is_the_models_own_is_no_leak() 
     report = adversarial.report_quoting(adversarial.SPELLED_DISGUISES["letter-spaced"](line))
     assert find_leaks(report, index)
     assert find_leaks(report, index, allow_text=f"He sits.\n{line}\nHe stands.") == []
+
+
+def test_an_encoded_block_on_lines_of_its_own_is_cut_without_the_prose_around_it() -> None:
+    # A block alone on its lines: the word that ends the line above and the one
+    # that starts the line below are prose, not its first or last run.
+    import base64
+    import re
+
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    line = adversarial.quotable_lines(key)[0]
+    b64 = base64.b64encode(line.encode()).decode()
+    for block in (b64, base64.b32encode(line.encode()).decode(), line.encode().hex(),
+                  "\n".join(re.findall(".{1,16}", b64))):
+        report = f"The scene encoded\n{block}\nafterwards the model explains it twice.\n"
+        cut = redact(report, find_leaks(report, index))
+        assert cut == ("The scene encoded\n[verbatim answer-key passage removed]\n"
+                       "afterwards the model explains it twice.\n"), block
 
 
 def test_runs_that_decode_to_no_text_are_not_read() -> None:

@@ -11,9 +11,8 @@ or nearly-ASCII cp1252) and is left.
 
 A stretch starts at a run of MIN_RUN_CHARS characters of one alphabet and
 goes on over the lines after it (a wrapped block; in a JSON string, lines
-joined by an escaped newline); or it is lines of nothing but one alphabet,
-as short as SHORT_LINE_CHARS, with the runs that end the line before and
-start the line after (a narrow block set in prose). It is decoded whole, at
+joined by an escaped newline); or it is a block of narrower lines
+(textnorm_wrapped). It is decoded whole, at
 each alignment of its groups (what is glued before it shifts them), as
 base64, else as base32; failing that, each line alone, lines that decode
 side by side joined again (a digest on the line above is no part of it).
@@ -38,7 +37,7 @@ import re
 import string
 from collections.abc import Callable
 
-from . import textnorm_numbers
+from . import textnorm_numbers, textnorm_wrapped
 from .textnorm_reading import Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
@@ -60,8 +59,9 @@ REGION_GAP = 512  # long runs closer than this are scanned as one region (a side
 _ANY_LONG_RUN = re.compile(rf"[A-Za-z0-9+/_-]{{{MIN_RUN_CHARS},}}")
 _HEX_DIGITS = (string.hexdigits).encode("ascii")
 _HEX_OR_APART = bytes(
-    ord("h") if byte in _HEX_DIGITS else ord(" ") if byte in b" :" else ord("x")
+    ord("h") if byte in _HEX_DIGITS else ord(" ") if byte in b" :-\n" else ord("x")
     for byte in range(256))
+_HEX_APART_DROPPED = b",\r"  # ", " and "\r\n" read as one separator by the gate
 _SHOWN_ASCII = bytes(range(32, 127)) + b"\t\n\r"
 _LONG_SPACED_HEX = b" ".join([b"hh"] * (MIN_RUN_CHARS // 2))
 # Each base64 alphabet, and hex digits, as a pair: the long run that starts a
@@ -69,29 +69,20 @@ _LONG_SPACED_HEX = b" ".join([b"hh"] * (MIN_RUN_CHARS // 2))
 # glued to a run ("b64_", "0x", "/p/") is cut by another alphabet, or read
 # past by trying each of the four alignments of base64's groups.
 _ALPHABETS = tuple((re.compile(rf"{chars}{{{MIN_RUN_CHARS},}}={{0,2}}"),
-                    re.compile(rf"{chars}{{2,}}={{0,2}}"))
+                    # A whole word: "af" of "afterwards" on the line after hex is prose.
+                    re.compile(rf"{chars}{{2,}}={{0,2}}(?![A-Za-z0-9+/_=-])"))
                    for chars in ("[A-Za-z0-9+/]", "[A-Za-z0-9_-]", "[0-9a-fA-F]"))
 # Between two runs of one wrapped block: a line break; or, in a JSON string,
 # an escaped one (its "n" reads as the first letter of the next run).
 _WRAP = re.compile(r"[ \t]*\r?\n[ \t]*")
 _ESCAPED_WRAP = re.compile(r"\\(?:r\\)?")
-# Hex bytes written apart ("48 65 6c", "48:65:6c"): the pairs are the run.
+# Hex bytes written apart ("48 65 6c", "48:65:6c", "48-65", "48, 65", rows of
+# them as a hex dump prints them): the pairs are the run.
 _SPACED_HEX = re.compile(
-    rf"(?<![0-9A-Za-z])[0-9a-fA-F]{{2}}(?:[ :][0-9a-fA-F]{{2}}){{{MIN_RUN_CHARS // 2 - 1},}}"
-    r"(?![0-9A-Za-z])")
+    rf"(?<![0-9A-Za-z])[0-9a-fA-F]{{2}}(?:(?:[ :-]|, ?|[ \t]*\r?\n[ \t]*)[0-9a-fA-F]{{2}})"
+    rf"{{{MIN_RUN_CHARS // 2 - 1},}}+(?![0-9A-Za-z])")
+_HEX_PAIR = re.compile(r"[0-9a-fA-F]{2}")
 
-# A line of base64 at its narrowest that is read: 8 characters (6 bytes).
-SHORT_LINE_CHARS = 8
-_ALPHABET_OR_BREAK = bytes(ord("A") if byte in _ALPHABET + b"=" else byte if byte == 10
-                           else ord(" ") for byte in range(256))
-# A whole line of one alphabet between a line that ends in one and a line
-# that starts with one (most texts have none; a scan of bytes).
-_SHORT_LINES = re.compile(rb"\n *A{%d,} *\n *A" % SHORT_LINE_CHARS)
-_LINE_MIN = SHORT_LINE_CHARS // 2  # the last line of a block may be shorter
-_WHOLE_LINE = re.compile(
-    rf"[ \t]*([A-Za-z0-9+/]{{{_LINE_MIN},}}={{0,2}}|[A-Za-z0-9_-]{{{_LINE_MIN},}}={{0,2}})[ \t]*")
-_TAIL = re.compile(r"(?<![A-Za-z0-9+/_=-])([A-Za-z0-9+/_-]{2,}={0,2})[ \t]*$")
-_HEAD = re.compile(r"[ \t]*([A-Za-z0-9+/_-]{2,}={0,2})(?![A-Za-z0-9+/_=-])")
 _BASE32 = re.compile(r"[A-Z2-7]+|[a-z2-7]+")
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
 
@@ -170,56 +161,15 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
                 if (spans := tuple(block)) not in tried:
                     tried.add(spans)
                     found += _decoded_block(text, block)
-    if _LONG_SPACED_HEX in raw.translate(_HEX_OR_APART):
+    if _LONG_SPACED_HEX in raw.translate(_HEX_OR_APART, _HEX_APART_DROPPED):
         for m in _SPACED_HEX.finditer(text):
-            if (decoded := _as_text(bytes.fromhex(m.group().replace(":", " ")))) is not None:
+            pairs = "".join(_HEX_PAIR.findall(m.group()))
+            if (decoded := _as_text(bytes.fromhex(pairs))) is not None:
                 found.append((m.start(), m.end(), decoded))
     found += [(start, end, decoded) for start, end, data in textnorm_numbers.byte_lists(text)
               if (decoded := _as_text(data)) is not None]
-    lines = raw.translate(_ALPHABET_OR_BREAK, b"\r")
-    if any(lines[max(0, m.start() - 8):m.start()].rstrip(b" ").endswith(b"A")
-           for m in _SHORT_LINES.finditer(lines)):  # starting with a line break: C skips to it
-        found += _short_wrapped(text)
+    found += textnorm_wrapped.narrow_blocks(text, raw, MIN_RUN_CHARS, _decode_run)
     return sorted(set(found))
-
-
-def _short_wrapped(text: str) -> list[tuple[int, int, str]]:
-    """Blocks wrapped in lines too short to start one (base64 at 16 a line):
-    lines that are nothing but one alphabet, with the run that ends the line
-    before them and the one that starts the line after (a block set in prose),
-    MIN_RUN_CHARS in all. Decoded whole, with or without those two runs."""
-    lines, at = [], 0
-    for line in text.splitlines(keepends=True):
-        lines.append((at, at + len(line.rstrip("\r\n"))))
-        at += len(line)
-    whole = [_whole_line(text, s, e) for s, e in lines]
-    found: list[tuple[int, int, str]] = []
-    k = 0
-    while k < len(lines):
-        if whole[k] is None:
-            k += 1
-            continue
-        last = k
-        while last + 1 < len(lines) and whole[last + 1] is not None:
-            last += 1
-        block = [span for span in whole[k:last + 1] if span is not None]
-        tail = _TAIL.search(text, *lines[k - 1]) if k else None
-        head = _HEAD.match(text, *lines[last + 1]) if last + 1 < len(lines) else None
-        before = [tail.span(1)] if tail else []
-        after = [head.span(1)] if head else []
-        for runs in (before + block + after, before + block, block + after, block):
-            if len(runs) > 1 and sum(e - s for s, e in runs) >= MIN_RUN_CHARS and (
-                    decoded := _decode_run("".join(text[s:e] for s, e in runs))):
-                found.append((runs[0][0], runs[-1][1], decoded))
-                break
-        k = last + 1
-    return found
-
-
-def _whole_line(text: str, start: int, end: int) -> tuple[int, int] | None:
-    """The span of the line's text if it is nothing but one alphabet."""
-    m = _WHOLE_LINE.fullmatch(text, start, end)
-    return m.span(1) if m else None
 
 
 def _long_regions(text: str, marked: bytes) -> list[tuple[int, int]]:
@@ -324,8 +274,10 @@ def _decode_run(run: str) -> str | None:
 
 def _decode_base32(body: str) -> str | None:
     """Base32 (RFC 4648: A-Z and 2-7, in one case) at whichever of its eight
-    alignments reads as text."""
-    if not _BASE32.fullmatch(body):
+    alignments reads as text. (Base32 of text has digits: a fifth of its
+    groups or so stand for one; a long word or a run of letters has none, and
+    b32decode is Python, slow over 100 KB of them.)"""
+    if not any(d in body for d in "234567") or not _BASE32.fullmatch(body):
         return None
     for cut in range(8):
         piece = body[cut:]

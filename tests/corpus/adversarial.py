@@ -154,6 +154,19 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "base64 wrapped at 16": lambda s: "\n".join(re.findall(".{1,16}",
                                                           base64.b64encode(s.encode()).decode())),
     "reversed": lambda s: s[::-1],
+    # A review's holes in those: line breaks between numbers, a JSON string,
+    # Markdown around a narrow block.
+    "bytes in decimal, 12 a line": lambda s: "\n".join(
+        " ".join(str(b) for b in s.encode()[i:i + 12]) for i in range(0, len(s.encode()), 12)),
+    "bytes as 0x, a C array's rows": lambda s: ",\n".join(
+        ", ".join(f"0x{b:02x}" for b in s.encode()[i:i + 8]) for i in range(0, len(s.encode()), 8)),
+    "hex bytes apart by commas": lambda s: ", ".join(f"{b:02x}" for b in s.encode()),
+    "octal escapes in a JSON string": lambda s: json.dumps(
+        "".join(f"\\{b:03o}" for b in s.encode()))[1:-1],
+    "base64 at 16, in a JSON string": lambda s: json.dumps(
+        "\n".join(re.findall(".{1,16}", base64.b64encode(s.encode()).decode())))[1:-1],
+    "base64 at 16, quoted in Markdown": lambda s: "\n> " + "\n> ".join(
+        re.findall(".{1,16}", base64.b64encode(s.encode()).decode())) + "\n",
 }
 
 # The line spelled out: its words are gone, its letters stay (leakguard_spelled).
