@@ -38,7 +38,7 @@ import string
 from collections.abc import Callable
 
 from . import textnorm_numbers, textnorm_wrapped
-from .textnorm_reading import Reading
+from .textnorm_reading import WORD_TRANSFORMS, DerivedReading, Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
 # (7 words), so a quote's encoding is always long enough to be looked at.
@@ -104,21 +104,24 @@ def rot13_reading(reading: Reading) -> Reading:
     """`reading` in rot13, at its offsets. (A list of rot13'd common words as
     the test for making it missed whole lines of the key: "That's somebody's
     salary. That's somebody who's gonna get fired.")"""
-    return Reading(reading.original, rot13(reading.text), reading.starts, reading.ends,
-                   rot13(" ".join(reading.tokens)).split(), focus=reading.focus,
-                   screen_first=True)
+    return DerivedReading(reading, "rot13", rot13(reading.text), reading.starts, reading.ends,
+                          focus=reading.focus)
 
 
 def reversed_reading(reading: Reading, offsets: bool) -> Reading:
     """`reading` backwards, a quote written from its last letter to its first
-    (its words are the reading's in reverse order, each reversed: one C call)."""
+    (its words are the reading's in reverse order, each reversed)."""
     size = len(reading.text)
     starts = ends = None
     if offsets:
         starts = (reading.starts if reading.starts is not None else list(range(size)))[::-1]
         ends = (reading.ends if reading.ends is not None else list(range(1, size + 1)))[::-1]
-    return Reading(reading.original, reading.text[::-1], starts, ends,
-                   " ".join(reading.tokens)[::-1].split(), screen_first=True)
+    return DerivedReading(reading, "reversed", reading.text[::-1], starts, ends)
+
+
+# Each word list made by one C call a step: joined, rotated or reversed, split.
+WORD_TRANSFORMS.update(rot13=lambda words: rot13(" ".join(words)).split(),
+                       reversed=lambda words: " ".join(words)[::-1].split())
 
 
 def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[Reading]],

@@ -7,6 +7,7 @@ finds back to the original characters through `token_spans`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
@@ -39,6 +40,14 @@ class Reading:
     screen_first: bool = False
     _spelled: list[tuple[str, list[int]]] | None = field(default=None, repr=False,
                                                          compare=False)
+    _hashes: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def word_hashes(self) -> list[int]:
+        """hash() of each word, kept: the screens of the readings derived from
+        this one, for every key, ask for them (leakguard)."""
+        if self._hashes is None:
+            self._hashes = list(map(hash, self.tokens))
+        return self._hashes
 
     def spelled(self) -> list[tuple[str, list[int]]]:
         """The stretches of this reading that spell text without its words: one
@@ -80,3 +89,33 @@ def _spelled(toks: list[str]) -> list[tuple[str, list[int]]]:
                 found.append(("".join(toks[i] for i in run), run))
             run = []
     return found
+
+
+# How a derived reading's words come from its source's (textnorm_encoded): the
+# index keeps its words transformed the same way (HumanIndex.words_as), so a
+# derived reading is screened by its source's words, and its own are made
+# only if that screen lets it through.
+WORD_TRANSFORMS: dict[str, Callable[[list[str]], list[str]]] = {}
+
+
+class DerivedReading(Reading):
+    """A reading whose words are its source's transformed (`kind`: rot13,
+    backwards), made when first asked for."""
+
+    _derived: list[str] | None
+
+    def __init__(self, source: Reading, kind: str, text: str, starts: list[int] | None,
+                 ends: list[int] | None, focus: frozenset[int] | None = None) -> None:
+        self.source, self.kind = source, kind
+        super().__init__(source.original, text, starts, ends, [], focus=focus, screen_first=True)
+        self._derived = None  # the [] above: made when first asked for
+
+    @property
+    def tokens(self) -> list[str]:
+        if self._derived is None:
+            self._derived = WORD_TRANSFORMS[self.kind](self.source.tokens)
+        return self._derived
+
+    @tokens.setter
+    def tokens(self, value: list[str]) -> None:
+        self._derived = value

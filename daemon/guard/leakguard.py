@@ -75,10 +75,10 @@ from .leakguard_index import (
     STOCK_LINES,
     HumanIndex,
     index_for,
-    known_runs,
     shingle_hashes,
     tokens,
 )
+from .leakguard_screen import known_run, may_leak, reads_spelled, screened_out, spells
 
 REDACTION_MARKER = "[verbatim answer-key passage removed]"
 
@@ -202,7 +202,7 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
     for k, view in enumerate(views):
         # first word, last word, episode, words
         found = _spelled_spans(view, index, allowed_now)
-        if not view.screen_first or index.may_match(view.tokens):  # else no run can be the key's
+        if not screened_out(view, index):
             key = (k, index.n, index.long_n)
             hashes = hashed.get(key) if hashed is not None else None
             if hashes is None:
@@ -226,29 +226,11 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
             for s, e, ep, w in _merge_spans(spans)]
 
 
-def may_leak(views: Sequence[Reading], index: HumanIndex) -> bool:
-    """False if no reading can hold the key: a bulk test before `find_leaks`
-    (the audit, the log seal). True: look closer."""
-    return any(index.may_match(v.tokens) for v in views) or _spells(views)
-
-
-def _spells(views: Sequence[Reading]) -> bool:
-    """Does a reading spell text out (leakguard_spelled)? Its words are no
-    test of that."""
-    return any(v.spelled() for v in views if _read_spelled(v))
-
-
-def _read_spelled(view: Reading) -> bool:
-    """The readings the key spelled out is looked for in: the first ones, not
-    rot13 or backwards (screened) or the markup reading (the first's words)."""
-    return not view.screen_first and view.focus is None
-
-
 def _spelled_spans(view: Reading, index: HumanIndex,
                    allowed: Callable[[], _Allowed]) -> list[tuple[int, int, int, int]]:
     """(first word, last word, episode, words) of the key spelled out in the
     view (leakguard_spelled): in its first readings, not rot13 or backwards."""
-    if not _read_spelled(view) or not index.spelled:
+    if not reads_spelled(view) or not index.spelled:
         return []
     out = []
     for letters, word_of in view.spelled():
@@ -371,14 +353,17 @@ class AnswerKeys:
         # reading, not one per work (bench/RESULTS.md, issue 36).
         self._n = min((index.n for index in self.indexes), default=0)
         self._words = frozenset().union(*(index.words for index in self.indexes))
+        self._words_as = {kind: frozenset().union(*(index.words_as.get(kind, ())
+                                                    for index in self.indexes))
+                          for kind in {k for index in self.indexes for k in index.words_as}}
 
     def leaks(self, text: str) -> list[Leak]:
         """Leaks of any work, in order; those of two works may overlap."""
         if not self.indexes:
             return []
         views = textnorm.readings(text)
-        if not any(next(known_runs(v.tokens, self._words, self._n), None) for v in views) \
-                and not _spells(views):
+        if not any(known_run(v, self._words, self._words_as, self._n) for v in views) \
+                and not spells(views):
             return []  # no run of any work's words: the common log field
         found: list[Leak] = []
         for index in self.indexes:

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
+from ..core.textnorm_reading import WORD_TRANSFORMS
 from . import leakguard_spelled
 from .leakguard_spelled import SPELLED_CHARS
 
@@ -242,6 +243,9 @@ class HumanIndex:
     episode_digests: frozenset[str]
     # The key's words run together: letter windows (leakguard_spelled).
     spelled: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # Its words as a derived reading has them (rot13, backwards): that
+    # reading is screened by its source's words against these.
+    words_as: Mapping[str, frozenset[int]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -273,12 +277,14 @@ class HumanIndex:
         long_seeds: set[int] = set()
         words: set[int] = set()
         spelled: dict[int, tuple[int, int]] = {}
+        vocabulary: set[str] = set()
         n_words = 0
         # Last episode first, so that the first episode a shingle occurs in wins.
         for number in sorted(streams, reverse=True):
             st = streams[number]
             n_words += len(st.full)
             words.update(map(hash, st.full))
+            vocabulary.update(st.full)
             # A word is weak if it is filler or a name, or stands in a furniture
             # line or parenthetical: "AUCTION" in a scene heading says nothing,
             # "auction" in a line of dialogue does.
@@ -329,6 +335,8 @@ class HumanIndex:
             words=frozenset(words),
             episode_digests=frozenset(map(dataset.sha256_text, episodes.values())),
             spelled=spelled,
+            words_as={kind: frozenset(map(hash, transform(sorted(vocabulary))))
+                      for kind, transform in WORD_TRANSFORMS.items()},
         )
 
     def may_match(self, toks: Sequence[str]) -> bool:
@@ -349,6 +357,11 @@ class HumanIndex:
             f"HumanIndex(work={self.work!r}, n={self.n}, long_n={self.long_n}, "
             f"words={self.n_words}, shingles={len(self.episode_of)}, seeds={len(self.seeds)})"
         )
+
+
+def has_known_run(hashes: Sequence[int], words: frozenset[int], n: int) -> bool:
+    """Are `n` words in a row (their hashes) all in `words`? Two C calls."""
+    return b"\x01" * n in bytes(map(words.__contains__, hashes))
 
 
 def known_runs(toks: Sequence[str], words: frozenset[int], n: int) -> Iterator[Sequence[str]]:
