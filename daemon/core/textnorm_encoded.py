@@ -263,16 +263,8 @@ def _decode_run(run: str) -> str | None:
     body = run.rstrip("=").replace("-", "+").replace("_", "/")
     if body.count("+") + body.count("/") > len(body) * MAX_MARK_SHARE:
         return None  # a path or a slug (skilltrain-bench-e0_b1), not base64 of text
-    for cut in range(4):  # glued to what came before it, or cut out of a longer run
-        piece = body[cut:]
-        piece = piece[: len(piece) - len(piece) % 4] if len(piece) % 4 == 1 else piece
-        try:
-            data = binascii.a2b_base64(piece + "=" * (-len(piece) % 4), strict_mode=True)
-        except binascii.Error:
-            continue
-        if (decoded := _as_text(data)) is not None:
-            return decoded
-    return _decode_base32(run.rstrip("="))
+    decoded = _aligned(body, 4, (1,), lambda piece: binascii.a2b_base64(piece, strict_mode=True))
+    return decoded if decoded is not None else _decode_base32(run.rstrip("="))
 
 
 def _decode_base32(body: str) -> str | None:
@@ -282,11 +274,21 @@ def _decode_base32(body: str) -> str | None:
     b32decode is Python, slow over 100 KB of them.)"""
     if not any(d in body for d in "234567") or not _BASE32.fullmatch(body):
         return None
-    for cut in range(8):
+    return _aligned(body, 8, (1, 3, 6), lambda piece: base64.b32decode(piece, casefold=True))
+
+
+def _aligned(body: str, group: int, partial: tuple[int, ...],
+             decode: Callable[[str], bytes]) -> str | None:
+    """`body` decoded at whichever alignment of its `group`-character groups
+    reads as text (what is glued before a run, or cut from a longer one,
+    shifts them); a last group of a length in `partial`, which decodes to no
+    byte, let go; the rest padded."""
+    for cut in range(group):
         piece = body[cut:]
-        piece = piece[: len(piece) - len(piece) % 8] if len(piece) % 8 in (1, 3, 6) else piece
+        piece = piece[: len(piece) - len(piece) % group] if len(piece) % group in partial \
+            else piece
         try:
-            data = base64.b32decode(piece + "=" * (-len(piece) % 8), casefold=True)
+            data = decode(piece + "=" * (-len(piece) % group))
         except binascii.Error:
             continue
         if (decoded := _as_text(data)) is not None:
