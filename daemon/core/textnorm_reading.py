@@ -11,7 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
-# Letters in a row that `Reading.spelled` gives the guard (leakguard_spelled).
+# Letters in a row that `Reading.spelled` gives the guard (leakguard_spelled),
+# and that are the key there: a short line of the key run together
+# ("butidontwanttolietoher") is 22; at 20, a closed-book draft of the same
+# story spelled out matched three phrases of it ("drivehimtothestation").
 SPELLED_CHARS = 24
 # Eight words of one character in a row: a text spelled letter by letter (a C
 # scan of the words joined; then they are walked).

@@ -14,13 +14,11 @@ is allowed, as its shingles are.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-# Letters in a row that are the key (a short line of the key run together,
-# "butidontwanttolietoher", is 22), with a word among them that is not stock.
 from ..core.textnorm_reading import SPELLED_CHARS
 
-SPELLED_MIN_CONTENT = 1
+SPELLED_MIN_CONTENT = 1  # whole words in a window that are not stock or names
 
 
 def key_windows(toks: Sequence[str], weak: Sequence[bool],
@@ -56,14 +54,13 @@ def allowed_windows(toks: Sequence[str]) -> frozenset[int]:
 
 
 def hits(letters: str, windows: Mapping[int, tuple[int, int]],
-         allowed: Iterable[int] | None = None) -> list[tuple[int, int, int, int]]:
+         allowed: frozenset[int] = frozenset()) -> list[tuple[int, int, int, int]]:
     """(first letter, end, episode, words) of each stretch of `letters` made of
     key windows, overlapping windows merged; windows in `allowed` left out."""
     found: list[tuple[int, int, int, int]] = []
-    allow = frozenset(allowed or ())
     for at in range(len(letters) - SPELLED_CHARS + 1):
         window = hash(letters[at:at + SPELLED_CHARS])
-        if (hit := windows.get(window)) is None or window in allow:
+        if (hit := windows.get(window)) is None or window in allowed:
             continue
         episode, words = hit
         if found and at <= found[-1][1]:  # overlaps or touches the stretch before
