@@ -143,6 +143,27 @@ def test_a_set_held_by_the_budget_still_gets_its_retired_report_back(
     assert len(llm_server.requests) == calls and ws.events("budget.reached")
 
 
+def test_a_set_back_with_refused_inputs_is_refused_before_its_retired_report_is_looked_at(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # The retired report is tried first, from the inputs read as a job reads
+    # them: inputs the job would refuse are refused there, said as such.
+    ws, reports, _ = _reported_step(tmp_path, llm_server)
+    episode = ws.data / "alpha" / "human" / "ep06.txt"
+    kept = episode.read_bytes()
+    episode.unlink()
+    run_once_in_process(ws)  # 04-06 retired
+    episode.write_bytes(kept)
+    copied = (ws.data / "alpha" / "human" / "ep05.txt").read_text(encoding="utf-8")
+    (ws.scripts("r1", 0, 0, "alpha") / "ep05.txt").write_text(copied, encoding="utf-8")
+    time.sleep(0.05)
+    calls = len(llm_server.requests)
+    run_once_in_process(ws)
+    assert len(llm_server.requests) == calls
+    (refused,) = ws.events("loss.refused", range="04-06")
+    assert "ep05" in refused["reason"]
+    assert not [e for e in ws.events("loss.failed") if e.get("reason") == "internal error"]
+
+
 def _a_step_with_one_set(tmp_path: Path) -> tuple[Path, Any, Path, Any]:
     """runs/, step r1 0 0, its reports folder, and its one set (alpha 01-03), reported."""
     from skilltrain.daemon.core import layout

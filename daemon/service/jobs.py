@@ -263,7 +263,10 @@ class Jobs:
         if self.pipeline.has_retired(ticket.key):
             # Its retired report may come back unpaid: before anything that holds
             # the call back (the endpoint's room, a refused key, the budget).
-            await self._in_pool(self._reuse, ticket)
+            try:
+                await self._in_pool(self._reuse, ticket)
+            except EXPECTED as e:  # its inputs refused, as the job would have them
+                return await self._settle(outcome, self.pipeline.decide, ticket, None, e)
         # Held from before the inputs are read until the outcome is decided
         # (spend included), given back during backoffs.
         slot = Slot(self.limiters.for_endpoint(settings.model, settings.api_base),
