@@ -353,9 +353,13 @@ class AnswerKeys:
         # reading, not one per work (bench/RESULTS.md, issue 36).
         self._n = min((index.n for index in self.indexes), default=0)
         self._words = frozenset().union(*(index.words for index in self.indexes))
-        self._words_as = {kind: frozenset().union(*(index.words_as.get(kind, ())
+        # The kinds every index has (one built without them is screened by the
+        # derived reading's own words, against _words).
+        kinds = set.intersection(*(set(index.words_as) for index in self.indexes)) \
+            if self.indexes else set()
+        self._words_as = {kind: frozenset().union(*(index.words_as[kind]
                                                     for index in self.indexes))
-                          for kind in {k for index in self.indexes for k in index.words_as}}
+                          for kind in kinds}
 
     def leaks(self, text: str) -> list[Leak]:
         """Leaks of any work, in order; those of two works may overlap."""
