@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 
 from skilltrain.daemon.core import textnorm
-from skilltrain.daemon.guard import leakguard, leakguard_index
+from skilltrain.daemon.guard import leakguard, leakguard_index, leakguard_spelled
 from skilltrain.daemon.guard.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
 
 # A human screenplay written for these tests (two episodes).
@@ -888,6 +890,24 @@ def test_text_spelled_out_that_is_not_the_key_or_is_the_models_own_is_no_leak() 
     report = adversarial.report_quoting(adversarial.SPELLED_DISGUISES["letter-spaced"](line))
     assert find_leaks(report, index)
     assert find_leaks(report, index, allow_text=f"He sits.\n{line}\nHe stands.") == []
+
+
+def test_a_run_of_hex_digits_is_read_for_the_key_spelled_out_only_if_the_key_can_be_one() -> None:
+    # Sidecars hold sha256s: a stretch of hex digits is skipped when no window
+    # of the key's letters is all hex digits (leakguard_spelled.may_hit), and
+    # read when one is: a key whose words run together spell a hex run.
+    hexy = "A bad decade faced Abe. Dad added a bead, a fab cafe bead.\n"
+    index = leakguard.index_for("hexy", {1: "INT. CAFE - DAY\n\nANNA\n" + hexy})
+    plain = leakguard.index_for("plain", {1: "INT. CAFE - DAY\n\nANNA\nShe turns away.\n"})
+    assert index.spelled_hex and not plain.spelled_hex
+    run_together = "".join(re.findall("[a-z]", hexy.lower()))
+    assert re.fullmatch("[a-f]+", run_together) and len(run_together) >= 24
+    report = f"The draft is flat. Compare: {run_together}. The model explains the same beat."
+    assert find_leaks(report, index)
+    digest = hashlib.sha256(b"x").hexdigest()
+    assert not leakguard_spelled.may_hit(digest, plain.spelled_hex)
+    assert leakguard_spelled.may_hit(digest, index.spelled_hex)
+    assert leakguard_spelled.may_hit("whatalameoisthisfellow1234", plain.spelled_hex)
 
 
 def test_an_encoded_block_on_lines_of_its_own_is_cut_without_the_prose_around_it() -> None:

@@ -234,6 +234,8 @@ def _spelled_spans(view: Reading, index: HumanIndex,
         return []
     out = []
     for letters, word_of in view.spelled():
+        if not leakguard_spelled.may_hit(letters, index.spelled_hex):
+            continue
         if found := leakguard_spelled.hits(letters, index.spelled):
             found = leakguard_spelled.hits(letters, index.spelled, allowed().spelled)
         out += [(word_of[first], word_of[end - 1], episode, words)

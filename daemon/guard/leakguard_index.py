@@ -243,6 +243,8 @@ class HumanIndex:
     episode_digests: frozenset[str]
     # The key's words run together: letter windows (leakguard_spelled).
     spelled: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # Can a window of hex digits only be one of them (leakguard_spelled.may_hit)?
+    spelled_hex: bool = True
     # Its words as a derived reading has them (rot13, backwards): that
     # reading is screened by its source's words against these.
     words_as: Mapping[str, frozenset[int]] = field(default_factory=dict)
@@ -277,6 +279,7 @@ class HumanIndex:
         long_seeds: set[int] = set()
         words: set[int] = set()
         spelled: dict[int, tuple[int, int]] = {}
+        spelled_hex = False
         vocabulary: set[str] = set()
         n_words = 0
         # Last episode first, so that the first episode a shingle occurs in wins.
@@ -290,6 +293,7 @@ class HumanIndex:
             # "auction" in a line of dialogue does.
             full_weak = [f or t in weak_words for t, f in zip(st.full, st.furniture, strict=True)]
             spelled.update(leakguard_spelled.key_windows(st.full, full_weak, number))
+            spelled_hex = spelled_hex or leakguard_spelled.has_hex_window(st.full)
             free_weak = [t in weak_words for t in st.free]
             # Rule 1 reads the lines, and any one line whole; a run across
             # a heading and the cue after it is the story's (a closed-book
@@ -335,6 +339,7 @@ class HumanIndex:
             words=frozenset(words),
             episode_digests=frozenset(map(dataset.sha256_text, episodes.values())),
             spelled=spelled,
+            spelled_hex=spelled_hex,
             words_as={kind: frozenset(map(hash, transform(sorted(vocabulary))))
                       for kind, transform in WORD_TRANSFORMS.items()},
         )

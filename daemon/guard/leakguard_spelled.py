@@ -14,11 +14,19 @@ is allowed, as its shingles are.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Mapping, Sequence
 
 from ..core.textnorm_reading import SPELLED_CHARS
 
 SPELLED_MIN_CONTENT = 1  # whole words in a window that are not stock or names
+
+# Hex digits only: a sha256, a UUID (every sidecar holds several). Such a
+# stretch holds no window of a key whose run-together text has no
+# SPELLED_CHARS hex digits in a row (as good as every key), and sliding the
+# window over a sidecar's hashes was ~40 % of the guard's reading of it.
+_HEX_RUN = re.compile(f"[0-9a-f]{{{SPELLED_CHARS}}}")
+_HEX_ONLY = re.compile("[0-9a-f]+")
 
 
 def key_windows(toks: Sequence[str], weak: Sequence[bool],
@@ -43,6 +51,18 @@ def key_windows(toks: Sequence[str], weak: Sequence[bool],
         if inside > i:
             content -= not weak[i]
     return out
+
+
+def has_hex_window(toks: Sequence[str]) -> bool:
+    """Do the words run together hold SPELLED_CHARS hex digits in a row, at any
+    letter (a window starts at a word, so this is the wider question)?"""
+    return _HEX_RUN.search("".join(toks)) is not None
+
+
+def may_hit(letters: str, key_has_hex: bool) -> bool:
+    """False if no window of the key can be in `letters`: hex digits only, and
+    the key has no window of them (HumanIndex.spelled_hex)."""
+    return key_has_hex or _HEX_ONLY.fullmatch(letters) is None
 
 
 def allowed_windows(toks: Sequence[str]) -> frozenset[int]:
