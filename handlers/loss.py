@@ -144,8 +144,7 @@ class Prepared:
     other_keys: tuple[leakguard.HumanIndex, ...] = field(repr=False)  # every other work's
     template_path: Path
     prompt_tokens: int | None
-    # Reads both ranges again; True: the answer key from disk, not its cache.
-    read_inputs: Callable[[bool], tuple[dict[int, str], dict[int, str]]] = field(repr=False)
+    max_bytes: int  # the bound the inputs were read under: the check after the call keeps it
     started_at: datetime
     t0: float
 
@@ -201,13 +200,9 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
 
     key_dir = answer_key or job.work.human_dir
 
-    def read_inputs(fresh: bool = False) -> tuple[dict[int, str], dict[int, str]]:
-        return (job.work.read_human(job.first, job.last, max_bytes=max_bytes, fresh=fresh),
-                dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
-                                   confine_to=confine_to, answer_key=key_dir,
-                                   max_bytes=max_bytes))
-
-    human, model = read_inputs()
+    human = job.work.read_human(job.first, job.last, max_bytes=max_bytes)
+    model = dataset.read_range(job.scripts_dir, job.first, job.last, label="model",
+                               confine_to=confine_to, answer_key=key_dir, max_bytes=max_bytes)
     # Read once per job: for the copy check now and the leak index after the call.
     human_files = job.work.read_human_files()
     job_keys.refuse_copies(job.scripts_dir, model, human_files)
@@ -245,7 +240,7 @@ def prepare(job: LossJob, *, settings: LLMConfig, templates: PromptTemplates,
                     model_block=model_block, model=model, human_stats=human_stats,
                     model_stats=model_stats, key_index=key_index, other_keys=other_keys,
                     template_path=template.path, prompt_tokens=prompt_tokens,
-                    read_inputs=read_inputs, started_at=started_at, t0=t0)
+                    max_bytes=max_bytes, started_at=started_at, t0=t0)
 
 
 def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "redact",
@@ -326,7 +321,7 @@ def finish(prepared: Prepared, completion: llm.Completion, *, on_leak: str = "re
         "finished_at": now().isoformat(),
         **(sidecar_extra or {}),
     }
-    check_unchanged(job, hashes, prepared.read_inputs)
+    check_unchanged(prepared)
     # All three or none (a full disk must not leave an archive without its
     # report). The sidecar is renamed last: its presence and hashes mark the
     # report up to date, so a crash between the renames leaves a set redone.
@@ -440,21 +435,32 @@ def _guard(report: str, job: LossJob, seal: sealed_write.Seal,
     return leakguard.redact(report, leaks), len(leaks)
 
 
-def check_unchanged(job: LossJob, hashes: InputHashes,
-                     read_inputs: Callable[[bool], tuple[dict[int, str], dict[int, str]]]
-                     ) -> None:
-    """Re-read the inputs just before writing: a report made from files that changed
-    or vanished during the call is not written (it would describe neither version)."""
-    try:
-        human, model = read_inputs(True)  # the answer key from disk, not its cache
-    except RefusedError as e:
-        raise InputsChangedError(f"input changed during the call: {e}") from None
-    if dataset.episodes_digest(model) != hashes.model:
+def check_unchanged(prepared: Prepared) -> None:
+    """Read the inputs again just before writing: a report made from files that
+    changed or vanished during the call is not written (it would describe
+    neither version).
+
+    Their bytes are hashed, not decoded or checked again: bytes with the
+    digest the prompt was made from are the very bytes prepare read and
+    checked, and any other bytes are a change, whatever they hold (a link to
+    the key, a FIFO, a file grown past the bound). Read from the disk, never
+    from a stat or the key's cache: a write through a shared mmap moves no
+    time. Nothing read here leaves the process. (Decoding and checking them
+    again was ~0.3 ms of a job's CPU: bench/RESULTS.md, issue 36.)
+    """
+    job, hashes = prepared.job, prepared.hashes
+    numbers = range(job.first, job.last + 1)
+    model = {n: f"{job.scripts_dir}/{dataset.episode_name(n)}" for n in numbers}
+    if dataset.files_digest(model, prepared.max_bytes) != hashes.model:
         raise InputsChangedError(f"model episodes {job.range_label} in {job.scripts_dir} "
-                                 "changed during the call; report not written")
-    if dataset.episodes_digest(human) != hashes.human:
+                                 "changed during the call (rewritten, replaced or gone); "
+                                 "report not written")
+    human = {n: f"{job.work.human_dir}/{dataset.episode_name(n)}" for n in numbers}
+    if dataset.files_digest(human, prepared.max_bytes) != hashes.human:
+        dataset.forget_kept(human.values())  # the next job reads the key from the disk
         raise InputsChangedError(f"human episodes {job.range_label} of {job.work.name} "
-                                 "changed during the call; report not written")
+                                 "changed during the call (rewritten, replaced or gone); "
+                                 "report not written")
 
 
 def read_sidecar(report_path: Path) -> dict[str, Any] | None:

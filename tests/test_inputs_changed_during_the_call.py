@@ -92,6 +92,11 @@ def _folder_swapped_for_a_link(path: Path) -> None:
     folder.symlink_to(copy)
 
 
+def _swapped_for(path: Path, make: Callable[[Path], None]) -> None:
+    path.unlink()
+    make(path)
+
+
 CHANGES: dict[str, Callable[[Path, Path], None]] = {
     "rewritten, same size": lambda p, key: _rewrite_same_size(p),
     "rewritten, mtime put back": lambda p, key: _rewrite_keeping_mtime(p),
@@ -99,6 +104,10 @@ CHANGES: dict[str, Callable[[Path, Path], None]] = {
     "deleted": lambda p, key: p.unlink(),
     "a link to the answer key": _link_to_the_key,
     "its folder swapped for a link": lambda p, key: _folder_swapped_for_a_link(p),
+    # The check reads bytes only: what never ends or never answers is a change too.
+    "a link to a device that never ends": lambda p, key: _swapped_for(
+        p, lambda q: q.symlink_to("/dev/zero")),
+    "a FIFO": lambda p, key: _swapped_for(p, os.mkfifo),
 }
 
 

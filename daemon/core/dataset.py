@@ -49,9 +49,10 @@ def episodes_digest(episodes: Mapping[int, str]) -> str:
     return _range_digest({n: sha256_text(text) for n, text in episodes.items()})
 
 
-def files_digest(paths: Mapping[int, str]) -> str | None:
+def files_digest(paths: Mapping[int, str], max_bytes: int | None = None) -> str | None:
     """`episodes_digest` of the files' bytes, without decoding or checking them;
-    None when one cannot be read.
+    None when one cannot be read, or holds over `max_bytes` (a link to a
+    device that never ends).
 
     Equal to the digest of the episodes read as text exactly when the bytes
     are those of the text (UTF-8 round-trips), so it answers "are these the
@@ -61,8 +62,10 @@ def files_digest(paths: Mapping[int, str]) -> str | None:
     hashes = {}
     for n, path in paths.items():
         try:  # non-blocking: a FIFO swapped in since it was looked at reads as empty
-            data = read_bytes(Path(path), 0, nofollow=False)
+            data = read_bytes(Path(path), 0, max_bytes, nofollow=False)
         except OSError:
+            return None
+        if data is None:
             return None
         hashes[n] = hashlib.sha256(data or b"").hexdigest()
     return _range_digest(hashes)
@@ -78,8 +81,7 @@ def _range_digest(hashes: Mapping[int, str]) -> str:
 
 def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
                  answer_key: Path | None = None, max_bytes: int | None = None,
-                 folder_fd: int | None = None, stated: Stated | None = None,
-                 fresh: bool = False) -> str:
+                 folder_fd: int | None = None, stated: Stated | None = None) -> str:
     """Read one episode or raise RefusedError saying which file and why.
 
     `confine_to`: the file's real path must stay inside this directory (a
@@ -90,12 +92,9 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
     `folder_fd`: path's folder, opened and confined by the caller (read_range,
     once for the range): the file is looked up in it, and only a link at the
     file itself is confined by path. `stated`: its _stat_confined, taken by the caller.
-    `fresh`: an answer-key file is read from disk even while its identity holds
-    (and kept as read): a check that it did not change must not ask the cache.
     """
     try:
-        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, stated,
-                             fresh)
+        return _read_episode(path, label, confine_to, answer_key, max_bytes, folder_fd, stated)
     except FileNotFoundError:
         raise RefusedError(f"{label} {path.name} is missing in {path.parent}") from None
     except (OSError, RuntimeError) as e:  # permissions, a file gone mid-read
@@ -104,8 +103,7 @@ def read_episode(path: Path, *, label: str, confine_to: Path | None = None,
 
 
 def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: Path | None,
-                  max_bytes: int | None, folder_fd: int | None, stated: Stated | None,
-                  fresh: bool) -> str:
+                  max_bytes: int | None, folder_fd: int | None, stated: Stated | None) -> str:
     st, link = stated or _stat_confined(path, label, confine_to, answer_key, folder_fd)
     if not stat.S_ISREG(st.st_mode):
         raise RefusedError(f"{label} {path} is not a regular file")
@@ -117,11 +115,11 @@ def _read_episode(path: Path, label: str, confine_to: Path | None, answer_key: P
     # The answer key's own files (no confinement asked: data/, the operator's)
     # are read again for every set of every step: kept while their identity
     # holds. A writer's scripts are read afresh every time. A write through a
-    # shared mmap moves no time: the re-read after a call (`fresh`) reads the
-    # disk, and what it reads is kept for the next job.
+    # shared mmap moves no time: the check after a call reads the disk
+    # (loss.check_unchanged), and a change it finds drops what was kept.
     keep = confine_to is None and answer_key is None
     identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if keep and not fresh and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
+    if keep and (kept := _kept_text.get(path)) is not None and kept[0] == identity:
         return kept[1]
     # A link is confined, and followed, by its path; a plain file is opened in
     # the checked folder.
@@ -197,6 +195,14 @@ def read_bytes(path: Path, size: int, max_bytes: int | None = None, *,
         os.close(fd)
 
 
+def forget_kept(paths: Iterable[str | Path]) -> None:
+    """The answer key's texts kept for these files dropped: a change that moved
+    no time (a write through a shared mmap) was seen, and the next read must
+    be the disk's."""
+    for path in paths:
+        _kept_text.pop(Path(path), None)
+
+
 def _keep_text(path: Path, identity: tuple[int, ...], text: str) -> None:
     # Summed, not counted: a text is kept once per content, and two pool
     # threads keeping at once cannot make a sum drift as a counter would.
@@ -243,7 +249,7 @@ def control_characters(text: str) -> str | None:
 
 def read_range(directory: Path, first: int, last: int, *, label: str,
                confine_to: Path | None = None, answer_key: Path | None = None,
-               max_bytes: int | None = None, fresh: bool = False) -> dict[int, str]:
+               max_bytes: int | None = None) -> dict[int, str]:
     """Every episode first..last, or RefusedError naming the first bad one.
 
     A range with no episode at all gets the seed's message; a range with some
@@ -267,7 +273,7 @@ def read_range(directory: Path, first: int, last: int, *, label: str,
             _check_total(stats, max_bytes, f"{label} episodes {first}-{last} in {directory}")
         return {n: read_episode(p, label=f"{label} episode", confine_to=confine_to,
                                 answer_key=answer_key, max_bytes=max_bytes, folder_fd=folder_fd,
-                                stated=stats.get(p), fresh=fresh)
+                                stated=stats.get(p))
                 for n, p in zip(numbers, paths, strict=True)}
     finally:
         if folder_fd is not None:
@@ -355,10 +361,8 @@ class Work:
             return list(self.explicit_ranges)
         return list(chunk(self.human_episodes(), episodes_per_report))
 
-    def read_human(self, first: int, last: int, max_bytes: int | None = None, *,
-                   fresh: bool = False) -> dict[int, str]:
-        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes,
-                          fresh=fresh)
+    def read_human(self, first: int, last: int, max_bytes: int | None = None) -> dict[int, str]:
+        return read_range(self.human_dir, first, last, label="human", max_bytes=max_bytes)
 
     def read_all_human(self) -> dict[int, str]:
         """The whole answer key, by episode (the leak indexes, the audit): every

@@ -92,7 +92,7 @@ class Pipeline:
                     self.runs, key, job.report_path, prepared.hashes.as_dict()):
                 if not self._same_integrity(data):
                     continue
-                loss.check_unchanged(job, prepared.hashes, prepared.read_inputs)  # the disk's
+                loss.check_unchanged(prepared)  # the disk's
                 archive = sealed_write.Archive(prepared.archive, prepared.skeleton,
                                                prepared.slot, prepared.model_block)
                 try:
