@@ -451,16 +451,19 @@ def check_unchanged(prepared: Prepared) -> None:
     job, hashes = prepared.job, prepared.hashes
     numbers = range(job.first, job.last + 1)
     model = {n: f"{job.scripts_dir}/{dataset.episode_name(n)}" for n in numbers}
-    if dataset.files_digest(model, prepared.max_bytes) != hashes.model:
-        raise InputsChangedError(f"model episodes {job.range_label} in {job.scripts_dir} "
-                                 "changed during the call (rewritten, replaced or gone); "
-                                 "report not written")
     human = {n: f"{job.work.human_dir}/{dataset.episode_name(n)}" for n in numbers}
-    if dataset.files_digest(human, prepared.max_bytes) != hashes.human:
-        dataset.forget_kept(human.values())  # the next job reads the key from the disk
-        raise InputsChangedError(f"human episodes {job.range_label} of {job.work.name} "
-                                 "changed during the call (rewritten, replaced or gone); "
-                                 "report not written")
+    # Both read, whichever changed: a changed key drops its kept text even
+    # when the model's episodes changed too (the next job reads the disk).
+    changed = [(side, where) for side, where, paths, digest in (
+        ("model", f"in {job.scripts_dir}", model, hashes.model),
+        ("human", f"of {job.work.name}", human, hashes.human))
+        if dataset.files_digest(paths, prepared.max_bytes) != digest]
+    if any(side == "human" for side, _ in changed):
+        dataset.forget_kept(human.values())
+    if changed:
+        side, where = changed[0]
+        raise InputsChangedError(f"{side} episodes {job.range_label} {where} changed during "
+                                 "the call (rewritten, replaced or gone); report not written")
 
 
 def read_sidecar(report_path: Path) -> dict[str, Any] | None:

@@ -152,3 +152,27 @@ def test_a_write_through_a_shared_mapping_is_refused_though_the_stat_does_not_mo
     assert path.read_text(encoding="utf-8") in again.prompt
     finish(again)
     assert job.report_path.exists()
+
+
+def test_a_changed_key_is_read_from_the_disk_next_time_even_when_the_model_changed_too(
+        workspace: tuple[loss.LossJob, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model's change is named first; the key's text kept for the next job
+    # (a change that moved no time) is dropped all the same.
+    job, runs = workspace
+    prepared = prepare(job, runs)
+    forgotten: list[str] = []
+    monkeypatch.setattr(dataset, "forget_kept", lambda paths: forgotten.extend(map(str, paths)))
+    _rewrite_same_size(job.scripts_dir / "ep02.txt")
+    _rewrite_same_size(job.work.human_dir / "ep02.txt")
+    with pytest.raises(InputsChangedError, match="model episodes"):
+        finish(prepared)
+    assert str(job.work.human_dir / "ep02.txt") in forgotten
+
+
+def test_the_check_reads_regular_files_only(tmp_path: Path) -> None:
+    # Unbounded, a link to a device would be read for ever: it is no input.
+    zero, fifo = tmp_path / "ep01.txt", tmp_path / "ep02.txt"
+    zero.symlink_to("/dev/zero")
+    os.mkfifo(fifo)
+    assert dataset.files_digest({1: str(zero)}) is None
+    assert dataset.files_digest({2: str(fifo)}) is None

@@ -8,6 +8,7 @@ numbers only, never file contents.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -62,13 +63,20 @@ def files_digest(paths: Mapping[int, str], max_bytes: int | None = None) -> str 
     hashes = {}
     for n, path in paths.items():
         try:  # non-blocking: a FIFO swapped in since it was looked at reads as empty
-            data = read_bytes(Path(path), 0, max_bytes, nofollow=False)
+            data = read_bytes(Path(path), 0, max_bytes, nofollow=False, opened=_regular_only)
         except OSError:
             return None
         if data is None:
             return None
         hashes[n] = hashlib.sha256(data or b"").hexdigest()
     return _range_digest(hashes)
+
+
+def _regular_only(fd: int) -> None:
+    """A link may have been swapped in: read a regular file's bytes, nothing else
+    (a device read never ends, a FIFO never answers)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file")
 
 
 def _range_digest(hashes: Mapping[int, str]) -> str:
@@ -178,7 +186,9 @@ def read_bytes(path: Path, size: int, max_bytes: int | None = None, *,
     the lstat is refused, not followed. `folder_fd`: looked up in that folder.
     `opened(fd)`: checks what was opened before anything is read."""
     # Non-blocking: a FIFO swapped in since the stat reads as empty, not forever.
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if nofollow else 0)
+    # No controlling terminal: a link to a tty swapped in must not become ours.
+    flags = (os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+             | (os.O_NOFOLLOW if nofollow else 0))
     fd = os.open(path, flags) if folder_fd is None else os.open(path.name, flags,
                                                                  dir_fd=folder_fd)
     try:
