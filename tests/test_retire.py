@@ -15,8 +15,8 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from skilltrain.daemon.service.metrics import Metrics
-from tests.daemon_helpers import build_workspace, run_once_in_process
-from tests.llm_server import LLMServer
+from tests.daemon_helpers import InProcessDaemon, build_workspace, run_once_in_process, wait_until
+from tests.llm_server import LLMServer, Reply
 
 RECORDER = Path(__file__).resolve().parent / "optimizer_recorder.py"
 
@@ -143,6 +143,44 @@ def test_a_set_held_by_the_budget_still_gets_its_retired_report_back(
     assert len(llm_server.requests) == calls and ws.events("budget.reached")
 
 
+def test_a_set_held_by_a_refused_key_still_gets_its_retired_report_back(
+        tmp_path: Path, llm_server: LLMServer) -> None:
+    # The provider refuses the key (insufficient_quota): the endpoint is
+    # blocked and new sets are held; a set whose retired report comes back
+    # needs no call, so it is written back while the key is still refused.
+    record = tmp_path / "optimizer.jsonl"
+    ws = build_workspace(
+        tmp_path / "ws", llm_server.url, works={"alpha": 6}, settle_s=0.0, resync_s=0.3,
+        extra=("[integrity]\naudit_on_start = false\n[optimizer]\ncommand = "
+               f'["{sys.executable}", "{RECORDER}", "{record}", "0", "-", "{{reports_dir}}"]\n'))
+    ws.write_step("r1", 0, 0, success=True)
+    run_once_in_process(ws)
+    episode = ws.data / "alpha" / "human" / "ep06.txt"
+    kept = episode.read_bytes()
+    episode.unlink()
+    run_once_in_process(ws)  # 04-05 paid for, 04-06's report retired
+    llm_server.default = lambda request: Reply.status(429, body={"error": {
+        "message": "You exceeded your current quota.", "type": "insufficient_quota",
+        "code": "insufficient_quota"}})
+    ws.write_step("r1", 0, 1, success=True)  # its sets (01-03, 04-05) are refused
+    reports = ws.runs / "r1" / "loss" / "epoch_00" / "step_00"
+    with InProcessDaemon(ws):
+        wait_until(lambda: ws.events("llm.blocked"), 15, message="the key refused")
+        wait_until(lambda: any(e["held"] == 2 for e in ws.events("scan.completed")), 15,
+                   message="step 1's sets held")
+        calls = len(llm_server.requests)
+        episode.write_bytes(kept)  # 04-06 is a set again: the next resync finds it
+        (back,) = wait_until(lambda: [e for e in ws.events("loss.completed")
+                                      if e.get("reused_from")], 15, message="04-06 back")
+        assert (back["step"], back["range"]) == (0, "04-06")
+        assert (reports / "alpha_ep04-06.md").exists()
+        # Step 1's sets, 04-06 among them now, are held still: nothing was sent.
+        wait_until(lambda: ws.events("step.reported", step=0, sets=2), 15,
+                   message="step 0 reported with 04-06 back")
+        assert len(llm_server.requests) == calls
+        assert not [e for e in ws.events("loss.completed") if e["step"] == 1]
+
+
 def test_a_set_back_with_refused_inputs_is_refused_before_its_retired_report_is_looked_at(
         tmp_path: Path, llm_server: LLMServer) -> None:
     # The retired report is tried first, from the inputs read as a job reads
@@ -229,7 +267,7 @@ def test_a_report_whose_set_left_its_step_during_the_call_never_lands(tmp_path: 
     import threading
 
     from tests.daemon_helpers import InProcessDaemon, wait_until
-    from tests.llm_server import Reply, Request, default_responder
+    from tests.llm_server import Request, default_responder
 
     in_call, release = threading.Event(), threading.Event()
 
