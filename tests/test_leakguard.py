@@ -785,6 +785,9 @@ def test_the_markup_reading_has_the_words_of_its_own_text() -> None:
         for view in offsets:
             fresh = [w.replace("'", "").lower()
                      for w in re.findall(r"[^\W_]+(?:'+[^\W_]+)*", view.text)]
+            if getattr(view, "kind", None) in ("word_order", "each_word"):
+                # Words reversed: its text's words, each read back to front.
+                fresh = [w[::-1] for w in fresh]
             assert view.tokens == fresh, text
             assert len(view.token_spans()) == len(view.tokens), text
 
@@ -816,7 +819,8 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "base64 of UTF-16", "base64 of cp1252", "base32",
                      "base32, lower case, unpadded", "bytes in decimal", "bytes as 0x, apart",
                      "bytes in binary", "octal escapes", "hex of UTF-16, big-endian",
-                     "base64 wrapped at 16", "reversed", "bytes in decimal, 12 a line",
+                     "base64 wrapped at 16", "reversed", "words in reverse order",
+                     "each word reversed", "bytes in decimal, 12 a line",
                      "bytes as 0x, a C array's rows", "hex bytes apart by commas",
                      "octal escapes in a JSON string", "base64 at 16, in a JSON string",
                      "base64 at 16, quoted in Markdown"]
@@ -952,9 +956,10 @@ def test_an_encoded_run_is_read_once_per_run_and_never_across_two() -> None:
     first, second = (base64.b64encode(s.encode()).decode() for s in
                      ("the farm was never his", "to sell at any price"))
     views = textnorm.readings(f"{first} and then {second}", offsets=True)
-    # After the first reading, its rot13 and its reverse; each run's, so read too.
-    encoded = views[3:]
-    assert [v.tokens for v in encoded[::3]] == [["the", "farm", "was", "never", "his"],
+    # After the first reading, its rot13 and its three backwards readings; each
+    # run's, so read too.
+    encoded = views[5:]
+    assert [v.tokens for v in encoded[::5]] == [["the", "farm", "was", "never", "his"],
                                                 ["to", "sell", "at", "any", "price"]]
     assert {(v.starts[0], v.ends[-1]) for v in encoded} == {  # type: ignore[index]
         (0, len(first)), (len(first) + 10, len(first) + 10 + len(second))}

@@ -72,7 +72,7 @@ DECODE_LEVELS = 4
 ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 4
+VERSION = 5
 
 _APOSTROPHE = "'"
 # One pattern per escape family, each with a literal first character: the
@@ -306,7 +306,7 @@ def readings(text: str, *, offsets: bool = False,
              encoded_levels: int = ENCODED_LEVELS) -> list[Reading]:
     """The readings of `text`: one, or three when it has format characters;
     each once more with mid-word markup joined when it has some (`_joined`);
-    each of those in rot13, the first backwards; then those of what its encoded
+    each of those in rot13, the first backwards (three ways); then those of what its encoded
     stretches decode to (textnorm_encoded), down to `encoded_levels`
     encodings deep.
 
@@ -319,8 +319,8 @@ def readings(text: str, *, offsets: bool = False,
     out += [j for r in out if (j := _joined(r, offsets)) is not None]
     # Backwards: the first reading alone (a reversal with markup inside words
     # too is one disguise on another; each reading more costs the audit ~15 %).
-    out += [textnorm_encoded.rot13_reading(r) for r in out] + [
-        textnorm_encoded.reversed_reading(out[0], offsets)]
+    out += [textnorm_encoded.rot13_reading(r) for r in out] + \
+        textnorm_encoded.backwards_readings(out[0], offsets)
     if encoded_levels:
         out += textnorm_encoded.encoded_readings(
             text, offsets, lambda inner, at: readings(

@@ -19,14 +19,15 @@ side by side joined again (a digest on the line above is no part of it).
 Linear in the text. Most texts have no such run: a bytes.translate and a
 bytes.find or a scan that skips to line breaks (C) say so.
 
-rot13 maps words to words, and so does reading backwards: their readings are
-the other readings' words rotated or reversed, at their offsets, made for
-every text (no cheap test tells one such line in English prose) and screened
-by the key's words before their runs are hashed.
+rot13 maps words to words, and so does reading backwards (letter by letter,
+word by word, or each word's letters): their readings are the other
+readings' words rotated or reversed, at their offsets, made for every text
+(no cheap test tells one such line in English prose) and screened by the
+key's words before their runs are hashed.
 
 Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
 word, a quote half plain and half encoded, base85, quoted-printable, shifts
-other than 13, letters spelled apart, words in reverse order.
+other than 13.
 """
 from __future__ import annotations
 
@@ -108,20 +109,28 @@ def rot13_reading(reading: Reading) -> Reading:
                           focus=reading.focus)
 
 
-def reversed_reading(reading: Reading, offsets: bool) -> Reading:
-    """`reading` backwards, a quote written from its last letter to its first
-    (its words are the reading's in reverse order, each reversed)."""
+def backwards_readings(reading: Reading, offsets: bool) -> list[Reading]:
+    """`reading` backwards three ways: from its last letter to its first (its
+    words in reverse order, each reversed), its words in reverse order, and
+    each word's letters reversed in place."""
     size = len(reading.text)
     starts = ends = None
     if offsets:
         starts = (reading.starts if reading.starts is not None else list(range(size)))[::-1]
         ends = (reading.ends if reading.ends is not None else list(range(1, size + 1)))[::-1]
-    return DerivedReading(reading, "reversed", reading.text[::-1], starts, ends)
+    backwards = reading.text[::-1]
+    # Word k of a reading is where its text's k-th word is (Reading.token_spans):
+    # the words in reverse order stand where the backwards text has them.
+    return [DerivedReading(reading, "reversed", backwards, starts, ends),
+            DerivedReading(reading, "word_order", backwards, starts, ends),
+            DerivedReading(reading, "each_word", reading.text, reading.starts, reading.ends)]
 
 
 # Each word list made by one C call a step: joined, rotated or reversed, split.
 WORD_TRANSFORMS.update(rot13=lambda words: rot13(" ".join(words)).split(),
-                       reversed=lambda words: " ".join(words)[::-1].split())
+                       reversed=lambda words: " ".join(words)[::-1].split(),
+                       word_order=lambda words: words[::-1],
+                       each_word=lambda words: " ".join(words)[::-1].split()[::-1])
 
 
 def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[Reading]],

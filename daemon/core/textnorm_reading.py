@@ -6,8 +6,9 @@ finds back to the original characters through `token_spans`.
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 WORD = re.compile(r"[^\W_]+(?:'+[^\W_]+)*")
@@ -44,6 +45,15 @@ class Reading:
     _spelled: list[tuple[str, list[int]]] | None = field(default=None, repr=False,
                                                          compare=False)
     _hashes: list[int] | None = field(default=None, repr=False, compare=False)
+    _runs: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
+
+    def run_hashes(self, n: int) -> list[int]:
+        """hash() of each run of n words (hashed_runs), kept: the guard's first
+        look at this reading, and the screen of its words in reverse order
+        (leakguard_screen), ask for the same."""
+        if (found := self._runs.get(n)) is None:
+            found = self._runs[n] = hashed_runs(self.tokens, n)
+        return found
 
     def word_hashes(self) -> list[int]:
         """hash() of each word, kept: the screens of the readings derived from
@@ -76,6 +86,12 @@ class Reading:
                 if i == last:
                     break
         return spans
+
+
+def hashed_runs(toks: Sequence[str], n: int) -> list[int]:
+    """hash() of every run of n consecutive tokens, in order (len(toks) - n + 1 of them)."""
+    windows = zip(*(itertools.islice(toks, k, None) for k in range(n)), strict=False)
+    return list(map(hash, windows))
 
 
 def _spelled(toks: list[str]) -> list[tuple[str, list[int]]]:

@@ -250,7 +250,7 @@ def _hashes(view: Reading, n: int, long_n: int) -> list[int]:
     window holds words the first reading has in the same order, and that
     reading is read whole."""
     if view.focus is None:
-        return shingle_hashes(view.tokens, n)
+        return view.run_hashes(n)
     toks = view.tokens
     out = [-1] * max(0, len(toks) - n + 1)
     for first in sorted({i for f in view.focus

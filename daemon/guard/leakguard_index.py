@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
-from ..core.textnorm_reading import WORD_TRANSFORMS
+from ..core.textnorm_reading import WORD_TRANSFORMS, hashed_runs
 from . import leakguard_spelled
 from .leakguard_spelled import SPELLED_CHARS
 
@@ -132,10 +132,7 @@ _CUE_COLON = re.compile(r"^\s*([A-Z][A-Z0-9 .'\u2019\-]{0,40}?)\s*(?:\([^)]*\))?
 _PARENS = re.compile(r"\([^)\n]*\)")
 
 
-def shingle_hashes(toks: Sequence[str], n: int) -> list[int]:
-    """hash() of every run of n consecutive tokens, in order (len(toks) - n + 1 of them)."""
-    windows = zip(*(itertools.islice(toks, k, None) for k in range(n)), strict=False)
-    return list(map(hash, windows))
+shingle_hashes = hashed_runs  # the one hashing of runs, readings' and the index's
 
 
 def _line_kind(line: str) -> str:
@@ -248,6 +245,10 @@ class HumanIndex:
     # Its words as a derived reading has them (rot13, backwards): that
     # reading is screened by its source's words against these.
     words_as: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    # Every n-shingle of the key with its words in reverse order: a text's own
+    # shingles that are one hold the key's words in reverse order
+    # (leakguard_screen), a test with no second pass over the text.
+    backward: frozenset[int] = frozenset()
 
     @classmethod
     def build(
@@ -280,6 +281,7 @@ class HumanIndex:
         words: set[int] = set()
         spelled: dict[int, tuple[int, int]] = {}
         spelled_hex = False
+        backward: set[int] = set()
         vocabulary: set[str] = set()
         n_words = 0
         # Last episode first, so that the first episode a shingle occurs in wins.
@@ -320,6 +322,7 @@ class HumanIndex:
             long_seeds.update(h for h in _with_content(full_long, full_weak, long_n,
                                                        long_min_content) if h in starts)
             for toks, weak in ((st.full, full_weak), (st.free, free_weak)):
+                backward.update(shingle_hashes(toks[::-1], n))
                 hashes = shingle_hashes(toks, n)
                 episode_of.update(dict.fromkeys(hashes, number))
                 seeds.update(_with_content(hashes, weak, n, min_content))
@@ -340,6 +343,7 @@ class HumanIndex:
             episode_digests=frozenset(map(dataset.sha256_text, episodes.values())),
             spelled=spelled,
             spelled_hex=spelled_hex,
+            backward=frozenset(backward),
             words_as={kind: frozenset(map(hash, transform(sorted(vocabulary))))
                       for kind, transform in WORD_TRANSFORMS.items()},
         )

@@ -24,9 +24,15 @@ def may_leak(views: Sequence[Reading], index: HumanIndex) -> bool:
 
 def screened_out(view: Reading, index: HumanIndex) -> bool:
     """Can a reading that seldom holds a quote (rot13, backwards) not hold this
-    key? A derived one is asked by its source's words, its own not made."""
+    key? A derived one is asked by its source's words, its own not made; the
+    words in reverse order by its source's runs against the key's runs
+    reversed (HumanIndex.backward): exactly the runs it would have."""
     if not view.screen_first:
         return False
+    if isinstance(view, DerivedReading) and view.kind == "word_order":
+        # Its runs are its source's reversed: one set test on runs the source's
+        # own look hashed already (a words screen first would be its own again).
+        return index.backward.isdisjoint(view.source.run_hashes(index.n))
     return not known_run(view, index.words, index.words_as, index.n) \
         or not index.may_match(view.tokens)
 

@@ -154,6 +154,10 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "base64 wrapped at 16": lambda s: "\n".join(re.findall(".{1,16}",
                                                           base64.b64encode(s.encode()).decode())),
     "reversed": lambda s: s[::-1],
+    # Backwards by words: their order, or each word's letters (a word: a run of
+    # letters, as the guard reads one; "king-sized" as one word is a miss).
+    "words in reverse order": lambda s: " ".join(re.findall(r"[\w']+", s)[::-1]),
+    "each word reversed": lambda s: re.sub(r"[\w']+", lambda m: m.group()[::-1], s),
     # A review's holes in those: line breaks between numbers, a JSON string,
     # Markdown around a narrow block.
     "bytes in decimal, 12 a line": lambda s: "\n".join(
