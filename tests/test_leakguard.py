@@ -820,7 +820,8 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "base32, lower case, unpadded", "bytes in decimal", "bytes as 0x, apart",
                      "bytes in binary", "octal escapes", "hex of UTF-16, big-endian",
                      "base64 wrapped at 16", "reversed", "words in reverse order",
-                     "each word reversed", "bytes in decimal, 12 a line",
+                     "each word reversed", "Ascii85", "Ascii85, Adobe, wrapped", "base85",
+                     "base32hex", "bytes in decimal, 12 a line",
                      "bytes as 0x, a C array's rows", "hex bytes apart by commas",
                      "octal escapes in a JSON string", "base64 at 16, in a JSON string",
                      "base64 at 16, quoted in Markdown"]

@@ -25,9 +25,12 @@ readings' words rotated or reversed, at their offsets, made for every text
 (no cheap test tells one such line in English prose) and screened by the
 key's words before their runs are hashed.
 
+Base85 and Ascii85 (the base64 module's others, their alphabets with
+punctuation): textnorm_base85.
+
 Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
-word, a quote half plain and half encoded, base85, quoted-printable, shifts
-other than 13.
+word, a quote half plain and half encoded, quoted-printable, shifts other
+than 13.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import re
 import string
 from collections.abc import Callable
 
-from . import textnorm_numbers, textnorm_wrapped
+from . import textnorm_base85, textnorm_numbers, textnorm_wrapped
 from .textnorm_reading import WORD_TRANSFORMS, DerivedReading, Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
@@ -85,6 +88,7 @@ _SPACED_HEX = re.compile(
 _HEX_PAIR = re.compile(r"[0-9a-fA-F]{2}")
 
 _BASE32 = re.compile(r"[A-Z2-7]+|[a-z2-7]+")
+_BASE32_HEX = re.compile(r"[0-9A-V]+|[0-9a-v]+")
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
 
 _ROTATED = "".join(letters[13:] + letters[:13]
@@ -181,6 +185,7 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
     found += [(start, end, decoded) for start, end, data in textnorm_numbers.byte_lists(text)
               if (decoded := _as_text(data)) is not None]
     found += textnorm_wrapped.narrow_blocks(text, raw, MIN_RUN_CHARS, _decode_run)
+    found += textnorm_base85.decoded_runs(text, _as_text)
     return sorted(set(found))
 
 
@@ -277,13 +282,17 @@ def _decode_run(run: str) -> str | None:
 
 
 def _decode_base32(body: str) -> str | None:
-    """Base32 (RFC 4648: A-Z and 2-7, in one case) at whichever of its eight
-    alignments reads as text. (Base32 of text has digits: a fifth of its
-    groups or so stand for one; a long word or a run of letters has none, and
-    b32decode is Python, slow over 100 KB of them.)"""
-    if not any(d in body for d in "234567") or not _BASE32.fullmatch(body):
-        return None
-    return _aligned(body, 8, (1, 3, 6), lambda piece: base64.b32decode(piece, casefold=True))
+    """Base32 (RFC 4648: A-Z and 2-7, in one case), or its extended-hex
+    alphabet (0-9 and A-V), at whichever of its eight alignments reads as
+    text. (Base32 of text has digits: a fifth of its groups or so stand for
+    one; a long word or a run of letters has none, and b32decode is Python,
+    slow over 100 KB of them.)"""
+    if any(d in body for d in "234567") and _BASE32.fullmatch(body):
+        return _aligned(body, 8, (1, 3, 6), lambda piece: base64.b32decode(piece, casefold=True))
+    if any(d in body for d in string.digits) and _BASE32_HEX.fullmatch(body):  # RFC 4648's other
+        return _aligned(body, 8, (1, 3, 6),
+                        lambda piece: base64.b32hexdecode(piece, casefold=True))
+    return None
 
 
 def _aligned(body: str, group: int, partial: tuple[int, ...],

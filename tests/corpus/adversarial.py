@@ -158,6 +158,12 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     # letters, as the guard reads one; "king-sized" as one word is a miss).
     "words in reverse order": lambda s: " ".join(re.findall(r"[\w']+", s)[::-1]),
     "each word reversed": lambda s: re.sub(r"[\w']+", lambda m: m.group()[::-1], s),
+    # The base64 module's other encodings.
+    "Ascii85": lambda s: base64.a85encode(s.encode()).decode(),
+    "Ascii85, Adobe, wrapped": lambda s: base64.a85encode(s.encode(), adobe=True,
+                                                          wrapcol=40).decode(),
+    "base85": lambda s: base64.b85encode(s.encode()).decode(),
+    "base32hex": lambda s: base64.b32hexencode(s.encode()).decode(),
     # A review's holes in those: line breaks between numbers, a JSON string,
     # Markdown around a narrow block.
     "bytes in decimal, 12 a line": lambda s: "\n".join(

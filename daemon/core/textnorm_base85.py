@@ -1,0 +1,99 @@
+"""Text in base85: Ascii85 (`base64.a85encode`, Adobe's `<~ ... ~>` too) and
+base85 (`base64.b85encode`, Git's and ZeroMQ's alphabet).
+
+The base64 module's other encodings: their alphabets hold punctuation that
+base64's does not, so a run of them is not one of textnorm_encoded's runs.
+A run here is MIN_RUN_CHARS characters or more of either alphabet, no space,
+with letters of both cases and a character base64's alphabet has not (a
+run of base64's characters only is read there, as base64, hex or a word).
+Whichever of the
+five alignments of base85's groups reads as text in the run's first
+PROBE_CHARS (what is glued before a run shifts them) decodes the whole run.
+Prose has few long runs without a space (a path, a URL); each costs a few
+decodes of PROBE_CHARS that fail (the decoders are Python).
+"""
+from __future__ import annotations
+
+import base64
+import re
+import string
+from collections.abc import Callable
+
+# As textnorm_encoded's: 24 characters are 19 bytes, fewer than a quote.
+MIN_RUN_CHARS = 24
+PROBE_CHARS = 200  # 160 bytes: text or not, it says
+
+_NOT_BASE64 = re.compile(r"[^A-Za-z0-9+/=_-]")
+_LOWER, _UPPER = re.compile("[a-z]"), re.compile("[A-Z]")
+# Ascii85: "!" to "u", and "z" for four zero bytes; Adobe's frame around it.
+_A85_CHARS = "".join(map(chr, range(ord("!"), ord("u") + 1))) + "z"
+_B85_CHARS = string.digits + string.ascii_letters + "!#$%&()*+-;<=>?@^_`{|}~"
+_ADOBE = re.compile(r"<~[!-uz\s]+~>")
+
+
+def decoded_runs(text: str, as_text: Callable[[bytes], str | None]
+                 ) -> list[tuple[int, int, str]]:
+    """(start, end, text) of each run of `text` in Ascii85 or base85 that
+    reads as text (`as_text`: textnorm_encoded's test)."""
+    found: dict[tuple[int, int], str] = {}
+    adobe = [m.span() for m in _ADOBE.finditer(text)] if "<~" in text else []
+    for spans, decode in ((adobe + _runs(text, _A85), base64.a85decode),
+                          (_runs(text, _B85), base64.b85decode)):
+        for span in spans:
+            body = _unframed(text[span[0]:span[1]])
+            if span in found or not _may_be_base85(body):
+                continue
+            for cut in range(5):
+                if _decodes(decode, body[cut:cut + PROBE_CHARS], as_text) and \
+                        (read := _decodes(decode, body[cut:], as_text)) is not None:
+                    found[span] = read
+                    break
+    return [(start, end, read) for (start, end), read in found.items()]
+
+
+def _marks(chars: str) -> bytes:
+    """A translate table: the alphabet's bytes to "A", every other to " "."""
+    return bytes(ord("A") if chr(b) in chars else ord(" ") for b in range(256))
+
+
+_A85, _B85 = _marks(_A85_CHARS), _marks(_B85_CHARS)
+_LONG = b"A" * MIN_RUN_CHARS
+
+
+def _runs(text: str, marks: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each run of MIN_RUN_CHARS characters or more of an
+    alphabet, found by bytes.translate and bytes.find (C: a regex over a 50 MiB
+    log cost seconds). A character past ASCII is one byte "?" there, one of
+    both alphabets: a run may take it in, and then does not decode there."""
+    marked = text.encode("ascii", "replace").translate(marks)
+    spans = []
+    start = marked.find(_LONG)
+    while start >= 0:
+        end = marked.find(b" ", start)
+        end = len(marked) if end < 0 else end
+        spans.append((start, end))
+        start = marked.find(_LONG, end)
+    return spans
+
+
+def _may_be_base85(body: str) -> bool:
+    """Both cases of letters and a character base64's alphabet has not. Base85
+    of text spreads over its alphabet: a run of 24 without a lower-case letter
+    is about 1 in 1,000, without a capital 1 in 6,000, fewer the longer the
+    run. A timestamp ("2026-01-01T00:00:00.000Z",) has no lower case, a path
+    seldom a capital; a run of base64's characters only is read there."""
+    return (_NOT_BASE64.search(body) is not None and _LOWER.search(body) is not None
+            and _UPPER.search(body) is not None)
+
+
+def _decodes(decode: Callable[[str], bytes], body: str,
+             as_text: Callable[[bytes], str | None]) -> str | None:
+    try:
+        return as_text(decode(body))
+    except ValueError:  # binascii.Error is one
+        return None
+
+
+def _unframed(run: str) -> str:
+    """Adobe's Ascii85 without its frame and line breaks."""
+    return "".join(run[2:-2].split()) if run.startswith("<~") and run.endswith("~>") else run
