@@ -446,7 +446,7 @@ def check_unchanged(prepared: Prepared) -> None:
     the key, a FIFO, a file grown past the bound). Read from the disk, never
     from a stat or the key's cache: a write through a shared mmap moves no
     time. Nothing read here leaves the process. (Decoding and checking them
-    again was ~0.3 ms of a job's CPU: bench/RESULTS.md, issue 36.)
+    again cost a job 0.41 ms of CPU, the bytes' digests 0.19: bench/RESULTS.md.)
     """
     job, hashes = prepared.job, prepared.hashes
     numbers = range(job.first, job.last + 1)
