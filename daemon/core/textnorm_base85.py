@@ -6,9 +6,9 @@ base64's does not, so a run of them is not one of textnorm_encoded's runs.
 A run here is MIN_RUN_CHARS characters or more of either alphabet, no space,
 with letters of both cases and a character base64's alphabet has not (a
 run of base64's characters only is read there, as base64, hex or a word).
-Whichever of the
-five alignments of base85's groups reads as text in the run's first
-PROBE_CHARS (what is glued before a run shifts them) decodes the whole run.
+Whichever of the five alignments of base85's groups reads as text in the
+run's first PROBE_CHARS (what is glued before a run shifts them) decodes
+the whole run.
 Prose has few long runs without a space (a path, a URL); each costs a few
 decodes of PROBE_CHARS that fail (the decoders are Python).
 """
@@ -41,7 +41,8 @@ def decoded_runs(text: str, as_text: Callable[[bytes], str | None]
                           (_runs(text, _B85), base64.b85decode)):
         for span in spans:
             body = _unframed(text[span[0]:span[1]])
-            if span in found or not _may_be_base85(body):
+            if span in found or not _may_be_base85(body) or any(
+                    s < span[0] and span[1] < e for s, e in adobe):  # inside a frame: read
                 continue
             for cut in range(5):
                 if _decodes(decode, body[cut:cut + PROBE_CHARS], as_text) and \
