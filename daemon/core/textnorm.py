@@ -66,6 +66,10 @@ from collections.abc import Callable
 from . import textnorm_encoded
 from .textnorm_reading import WORD as _WORD
 from .textnorm_reading import Reading
+from .textnorm_tables import APOSTROPHE as _APOSTROPHE
+from .textnorm_tables import LETTERS as _LETTERS
+from .textnorm_tables import LOOKALIKES as _LOOKALIKES
+from .textnorm_tables import TYPOGRAPHY as _TYPOGRAPHY
 
 DECODE_LEVELS = 4
 # base64 of base64 of the key is read; a third encoding is not looked into.
@@ -74,7 +78,6 @@ ENCODED_LEVELS = 2
 # start audit's cache) may not be clean now.
 VERSION = 5
 
-_APOSTROPHE = "'"
 # One pattern per escape family, each with a literal first character: the
 # regex engine then skips ahead to it (a JSON log has only backslashes).
 _ESCAPES = (
@@ -134,30 +137,6 @@ def _is_format(ch: str) -> bool:
                                                    for lo, hi in _IGNORABLE_RANGES)
 
 
-# Letters that look like Latin ones, mapped to them (lower case: folded after).
-_LOOKALIKES = str.maketrans({
-    # Cyrillic
-    "а": "a", "в": "b", "е": "e", "ё": "e", "к": "k", "м": "m", "н": "h", "о": "o",
-    "р": "p", "с": "c", "т": "t", "у": "y", "х": "x", "і": "i", "ї": "i", "ј": "j",
-    "ѕ": "s", "ԁ": "d", "һ": "h", "ԛ": "q", "ԝ": "w", "ӏ": "l", "ь": "b", "ɡ": "g",
-    "А": "a", "В": "b", "Е": "e", "Ё": "e", "К": "k", "М": "m", "Н": "h", "О": "o",
-    "Р": "p", "С": "c", "Т": "t", "У": "y", "Х": "x", "І": "i", "Ї": "i", "Ј": "j",
-    "Ѕ": "s", "Һ": "h", "Ԛ": "q", "Ԝ": "w", "Ӏ": "l",
-    # Greek
-    "α": "a", "β": "b", "ε": "e", "ι": "i", "κ": "k", "ν": "v", "ο": "o", "ρ": "p",
-    "τ": "t", "υ": "u", "χ": "x", "ϲ": "c", "ϳ": "j",
-    "Α": "a", "Β": "b", "Ε": "e", "Ζ": "z", "Η": "h", "Ι": "i", "Κ": "k", "Μ": "m",
-    "Ν": "n", "Ο": "o", "Ρ": "p", "Τ": "t", "Υ": "y", "Χ": "x", "Ϲ": "c",
-})
-# Typography an ASCII character stands for without changing a word.
-_TYPOGRAPHY = (
-    {c: _APOSTROPHE for c in "\u2019\u2018\u02bc\u2032\uff07"}
-    | {c: '"' for c in "\u201c\u201d\u201e\u00ab\u00bb\u2033"}
-    | {c: "-" for c in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"}
-    | {c: " " for c in "\u00a0\u2009\u200a\u202f\u2026\u2022\u00b7\u3000"}
-)
-# Letters that NFKD does not decompose but an English writer types without.
-_LETTERS = str.maketrans({"œ": "oe", "æ": "ae", "ø": "o", "ł": "l", "đ": "d", "ı": "i"})
 # A Latin letter by its Unicode name: "LATIN LETTER SMALL CAPITAL H",
 # "LATIN SMALL LETTER D WITH HOOK", "LATIN SMALL LETTER SCRIPT G". Turned and
 # reversed letters do not match: they read as other letters.

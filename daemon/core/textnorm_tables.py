@@ -1,0 +1,30 @@
+"""Characters textnorm folds to the ASCII an English reader sees in them:
+letters of other scripts that look like Latin ones, typography, and letters
+NFKD does not decompose. Data only; textnorm applies them."""
+from __future__ import annotations
+
+APOSTROPHE = "'"
+# Letters that look like Latin ones, mapped to them (lower case: folded after).
+LOOKALIKES = str.maketrans({
+    # Cyrillic
+    "а": "a", "в": "b", "е": "e", "ё": "e", "к": "k", "м": "m", "н": "h", "о": "o",
+    "р": "p", "с": "c", "т": "t", "у": "y", "х": "x", "і": "i", "ї": "i", "ј": "j",
+    "ѕ": "s", "ԁ": "d", "һ": "h", "ԛ": "q", "ԝ": "w", "ӏ": "l", "ь": "b", "ɡ": "g",
+    "А": "a", "В": "b", "Е": "e", "Ё": "e", "К": "k", "М": "m", "Н": "h", "О": "o",
+    "Р": "p", "С": "c", "Т": "t", "У": "y", "Х": "x", "І": "i", "Ї": "i", "Ј": "j",
+    "Ѕ": "s", "Һ": "h", "Ԛ": "q", "Ԝ": "w", "Ӏ": "l",
+    # Greek
+    "α": "a", "β": "b", "ε": "e", "ι": "i", "κ": "k", "ν": "v", "ο": "o", "ρ": "p",
+    "τ": "t", "υ": "u", "χ": "x", "ϲ": "c", "ϳ": "j",
+    "Α": "a", "Β": "b", "Ε": "e", "Ζ": "z", "Η": "h", "Ι": "i", "Κ": "k", "Μ": "m",
+    "Ν": "n", "Ο": "o", "Ρ": "p", "Τ": "t", "Υ": "y", "Χ": "x", "Ϲ": "c",
+})
+# Typography an ASCII character stands for without changing a word.
+TYPOGRAPHY = (
+    {c: APOSTROPHE for c in "\u2019\u2018\u02bc\u2032\uff07"}
+    | {c: '"' for c in "\u201c\u201d\u201e\u00ab\u00bb\u2033"}
+    | {c: "-" for c in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"}
+    | {c: " " for c in "\u00a0\u2009\u200a\u202f\u2026\u2022\u00b7\u3000"}
+)
+# Letters that NFKD does not decompose but an English writer types without.
+LETTERS = str.maketrans({"œ": "oe", "æ": "ae", "ø": "o", "ł": "l", "đ": "d", "ı": "i"})
