@@ -78,6 +78,8 @@ ENCODED_LEVELS = 2
 # start audit's cache) may not be clean now.
 VERSION = 5
 
+_QP_BYTE = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"
+             r"|F[0-7](?:=[89AB][0-9A-F]){3}|20|09|3D)")
 # One pattern per escape family, each with a literal first character: the
 # regex engine then skips ahead to it (a JSON log has only backslashes).
 _ESCAPES = (
@@ -91,7 +93,14 @@ _ESCAPES = (
         r"|[cdCD][0-9a-fA-F]%[89abAB][0-9a-fA-F]"
         r"|[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
         r"|[fF][0-7](?:%[89abAB][0-9a-fA-F]){3})")),
+    # Quoted-printable (RFC 2045, capitals): =XX runs that form one UTF-8
+    # character past ASCII, a quoted space, tab or "=".
+    ("=", re.compile(_QP_BYTE)),
 )
+# Its soft line break (nothing: the word goes on), read only in a text that
+# has a quoted byte: "=" at a line's end is as often base64's padding, and a
+# rule by line length read a text differently once a cut had shortened a line.
+_QP_SOFT = re.compile(rf"{_QP_BYTE}|=\r?\n(?=\S)")
 _ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": " "}
 
 
@@ -106,8 +115,10 @@ def _decode(m: re.Match[str]) -> str:
         return out if _shown(out) else " "
     if s[0] == "&":
         out = html.unescape(s)
+    elif s[1] in "\r\n":  # quoted-printable's soft line break
+        return ""
     else:
-        out = bytes.fromhex(s.replace("%", "")).decode("utf-8", "replace")
+        out = bytes.fromhex(s.replace(s[0], "")).decode("utf-8", "replace")
     return "".join(c if _shown(c) else " " for c in out) or " "
 
 
@@ -259,8 +270,10 @@ def _decode_escapes(text: str, starts: list[int] | None,
     for _ in range(DECODE_LEVELS):
         before = text
         for first, pattern in _ESCAPES:
-            if first not in text:
+            if first not in text or (first == "=" and not pattern.search(text)):
                 continue
+            if first == "=":
+                pattern = _QP_SOFT
             if starts is None or ends is None:
                 text = pattern.sub(_decode, text)
             else:

@@ -9,6 +9,7 @@ import base64
 import codecs
 import hashlib
 import json
+import quopri
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -164,6 +165,12 @@ DISGUISES: dict[str, Callable[[str], str]] = {
                                                           wrapcol=40).decode(),
     "base85": lambda s: base64.b85encode(s.encode()).decode(),
     "base32hex": lambda s: base64.b32hexencode(s.encode()).decode(),
+    # Quoted-printable: spaces quoted too, or curly apostrophes as bytes; its
+    # lines broken at 76 characters, in a word too.
+    "quoted-printable, spaces quoted": lambda s: quopri.encodestring(
+        s.encode(), quotetabs=True).decode(),
+    "quoted-printable, curly apostrophes": lambda s: quopri.encodestring(
+        s.replace("'", "\u2019").encode()).decode(),
     # A review's holes in those: line breaks between numbers, a JSON string,
     # Markdown around a narrow block.
     "bytes in decimal, 12 a line": lambda s: "\n".join(
