@@ -3,15 +3,16 @@
 A quote of the answer key must be found however it is dressed: in upper
 case, with curly quotes, accents, HTML entities (`&#x27;`, `&rsquo;`,
 `&amp;rsquo;`), JSON or Python escapes (`\\u2019`, `\\xe9`, `\\"`), URL
-encoding (`%E2%80%99`), zero-width characters or soft hyphens inside words,
-words joined by zero-width joiners, or letters swapped for their Cyrillic or
-Greek look-alikes. The guard (before a report is written) and the audit
-(after the fact) see text through this one module, so what one finds the
-other finds.
+encoding (`%E2%80%99`), quoted-printable (`=E2=80=99`), zero-width
+characters or soft hyphens inside words, words joined by zero-width
+joiners, or letters swapped for their Cyrillic or Greek look-alikes. The
+guard (before a report is written) and the audit (after the fact) see text
+through this one module, so what one finds the other finds.
 
 Steps, in order:
 1. escapes decoded: HTML entities, \\uXXXX \\UXXXXXXXX \\xHH and the one-letter
-   escapes (\\n \\t \\" ...), %XX runs that form UTF-8 characters; repeated
+   escapes (\\n \\t \\" ...), %XX and =XX runs that form UTF-8 characters
+   (quoted-printable's soft line breaks too, in a text with an =XX); repeated
    while anything changes (up to DECODE_LEVELS: `&amp;#x27;`, a JSON string
    inside a JSON log line). Decoded control characters separate words;
    decoded format characters (`&shy;`) are kept for step 2.

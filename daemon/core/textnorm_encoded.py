@@ -29,8 +29,8 @@ Base85 and Ascii85 (the base64 module's others, their alphabets with
 punctuation): textnorm_base85.
 
 Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
-word, a quote half plain and half encoded, quoted-printable, shifts other
-than 13.
+word, a quote half plain and half encoded, shifts other than 13.
+(Quoted-printable is an escape, decoded in place: textnorm.)
 """
 from __future__ import annotations
 
