@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 import time
@@ -986,3 +987,42 @@ def test_two_base64_lines_are_both_cut_by_one_clean() -> None:
     for first, second in zip(lines, lines[1:], strict=False):
         text = "\n".join(base64.b64encode(s.encode()).decode() for s in (first, second))
         assert keys.leaks(text) and keys.leaks(keys.clean(text)) == []
+
+
+def test_quoted_printable_is_read_only_in_a_text_that_is_quoted_printable() -> None:
+    # Review: "top_k=20" once in a report turned on the soft break for the
+    # whole text, and base64's padding at a line's end joined the next line's
+    # first word to it; a claim "mean=20% higher" lost its "=" and number.
+    import base64
+
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    for line in adversarial.quotable_lines(key):
+        blob = base64.b64encode(b"foobar!").decode()  # ends in "=": padding
+        report = f"Run it with top_k=20.\nData:\n{blob}\n{line}\nThe model explains it."
+        leaks = find_leaks(report, index)
+        # The quote's first word is cut with it, and nothing of it is left.
+        first_word = report.index(line) + re.search(r"\w", line).start()  # type: ignore[union-attr]
+        assert leaks and leaks[0].start <= first_word, line
+        assert find_leaks(redact(report, leaks), index) == [], line
+        assert blob in redact(report, leaks)
+    for text in ("- scene_words_mean=20% higher than the human", "per_page=20, month=09"):
+        assert textnorm.readings(text)[0].text == text
+
+
+@pytest.mark.parametrize("encode", [base64.a85encode, base64.b85encode])
+def test_base85_in_curly_quotes_or_before_a_dash_is_read(encode: Any) -> None:
+    # Review: a character past ASCII after the run was taken into it, and the
+    # run then decoded at no alignment.
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    for line in adversarial.quotable_lines(key):
+        encoded = encode(line.encode()).decode()
+        for report in (f"He wrote \u201c{encoded}\u201d.", f"{encoded}\u2014then\u00a0more"):
+            leaks = find_leaks(report, index)
+            assert leaks and report[leaks[0].start:leaks[0].end] == encoded, (line, report)
+

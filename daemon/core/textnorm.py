@@ -77,10 +77,11 @@ DECODE_LEVELS = 4
 ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 5
+VERSION = 6
 
-_QP_BYTE = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"
-             r"|F[0-7](?:=[89AB][0-9A-F]){3}|20|09|3D)")
+# Quoted-printable's byte past ASCII: =XX runs that form one UTF-8 character.
+_QP_CHAR = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"
+            r"|F[0-7](?:=[89AB][0-9A-F]){3})")
 # One pattern per escape family, each with a literal first character: the
 # regex engine then skips ahead to it (a JSON log has only backslashes).
 _ESCAPES = (
@@ -94,14 +95,13 @@ _ESCAPES = (
         r"|[cdCD][0-9a-fA-F]%[89abAB][0-9a-fA-F]"
         r"|[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
         r"|[fF][0-7](?:%[89abAB][0-9a-fA-F]){3})")),
-    # Quoted-printable (RFC 2045, capitals): =XX runs that form one UTF-8
-    # character past ASCII, a quoted space, tab or "=".
-    ("=", re.compile(_QP_BYTE)),
+    # Quoted-printable (RFC 2045, capitals): a character past ASCII, a quoted
+    # space, tab or "=", and the soft line break (nothing: the word goes on);
+    # read only in a text that is quoted-printable (_quoted_printable).
+    ("=", re.compile(rf"{_QP_CHAR}|=(?:20|09|3D)|=\r?\n(?=\S)")),
 )
-# Its soft line break (nothing: the word goes on), read only in a text that
-# has a quoted byte: "=" at a line's end is as often base64's padding, and a
-# rule by line length read a text differently once a cut had shortened a line.
-_QP_SOFT = re.compile(rf"{_QP_BYTE}|=\r?\n(?=\S)")
+_QP_CHARS = re.compile(_QP_CHAR)
+_QP_SPACE = re.compile(r"=20(?=[A-Za-z])")
 _ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": " "}
 
 
@@ -271,10 +271,8 @@ def _decode_escapes(text: str, starts: list[int] | None,
     for _ in range(DECODE_LEVELS):
         before = text
         for first, pattern in _ESCAPES:
-            if first not in text or (first == "=" and not pattern.search(text)):
+            if first not in text or (first == "=" and not _quoted_printable(text)):
                 continue
-            if first == "=":
-                pattern = _QP_SOFT
             if starts is None or ends is None:
                 text = pattern.sub(_decode, text)
             else:
@@ -282,6 +280,13 @@ def _decode_escapes(text: str, starts: list[int] | None,
         if text == before:
             break
     return text, starts, ends
+
+
+def _quoted_printable(text: str) -> bool:
+    """A character past ASCII as =XX bytes, or three spaces quoted before a
+    word (=20The)? Not a soft break (base64's padding) or =20 alone (code's
+    "top_k=20", a claim's "mean=20% higher": its "=" and number stay)."""
+    return _QP_CHARS.search(text) is not None or len(_QP_SPACE.findall(text)) >= 3
 
 
 def decode_escapes(text: str) -> str:

@@ -15,6 +15,8 @@ decodes of PROBE_CHARS that fail (the decoders are Python).
 from __future__ import annotations
 
 import base64
+import bisect
+import codecs
 import re
 import string
 from collections.abc import Callable
@@ -37,12 +39,12 @@ def decoded_runs(text: str, as_text: Callable[[bytes], str | None]
     reads as text (`as_text`: textnorm_encoded's test)."""
     found: dict[tuple[int, int], str] = {}
     adobe = [m.span() for m in _ADOBE.finditer(text)] if "<~" in text else []
+    starts = [start for start, _ in adobe]  # in order, apart: the frame a run may be in
     for spans, decode in ((adobe + _runs(text, _A85), base64.a85decode),
                           (_runs(text, _B85), base64.b85decode)):
         for span in spans:
             body = _unframed(text[span[0]:span[1]])
-            if span in found or not _may_be_base85(body) or any(
-                    s < span[0] and span[1] < e for s, e in adobe):  # inside a frame: read
+            if span in found or not _may_be_base85(body) or _framed(span, adobe, starts):
                 continue
             for cut in range(5):
                 if _decodes(decode, body[cut:cut + PROBE_CHARS], as_text) and \
@@ -50,6 +52,12 @@ def decoded_runs(text: str, as_text: Callable[[bytes], str | None]
                     found[span] = read
                     break
     return [(start, end, read) for (start, end), read in found.items()]
+
+
+def _framed(span: tuple[int, int], adobe: list[tuple[int, int]], starts: list[int]) -> bool:
+    """Is the run inside an Adobe frame (read as the frame)?"""
+    k = bisect.bisect_left(starts, span[0]) - 1
+    return k >= 0 and adobe[k][1] > span[1]
 
 
 def _marks(chars: str) -> bytes:
@@ -61,12 +69,21 @@ _A85, _B85 = _marks(_A85_CHARS), _marks(_B85_CHARS)
 _LONG = b"A" * MIN_RUN_CHARS
 
 
+# A character past ASCII (a surrogate too) as one space: in no alphabet, so a
+# run stops at a curly quote after it; one byte a character keeps offsets.
+def _as_spaces(error: UnicodeError) -> tuple[str, int]:
+    assert isinstance(error, UnicodeEncodeError)
+    return " " * (error.end - error.start), error.end
+
+
+codecs.register_error("skilltrain-space", _as_spaces)
+
+
 def _runs(text: str, marks: bytes) -> list[tuple[int, int]]:
     """(start, end) of each run of MIN_RUN_CHARS characters or more of an
     alphabet, found by bytes.translate and bytes.find (C: a regex over a 50 MiB
-    log cost seconds). A character past ASCII is one byte "?" there, one of
-    both alphabets: a run may take it in, and then does not decode there."""
-    marked = text.encode("ascii", "replace").translate(marks)
+    log cost seconds)."""
+    marked = text.encode("ascii", "skilltrain-space").translate(marks)
     spans = []
     start = marked.find(_LONG)
     while start >= 0:
