@@ -3,14 +3,13 @@ base85 (`base64.b85encode`, Git's and ZeroMQ's alphabet).
 
 The base64 module's other encodings: their alphabets hold punctuation that
 base64's does not, so a run of them is not one of textnorm_encoded's runs.
-A run here is MIN_RUN_CHARS characters or more of either alphabet, no space,
+A run here is `min_chars` characters or more of either alphabet, no space,
 with letters of both cases and a character base64's alphabet has not (a
 run of base64's characters only is read there, as base64, hex or a word).
 Whichever of the five alignments of base85's groups reads as text in the
 run's first PROBE_CHARS (what is glued before a run shifts them) decodes
-the whole run.
-Prose has few long runs without a space (a path, a URL); each costs a few
-decodes of PROBE_CHARS that fail (the decoders are Python).
+the whole run. Prose has few long runs without a space (a path, a URL);
+each costs a few decodes of PROBE_CHARS that fail (the decoders are Python).
 """
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ import re
 import string
 from collections.abc import Callable
 
-# As textnorm_encoded's: 24 characters are 19 bytes, fewer than a quote.
-MIN_RUN_CHARS = 24
 PROBE_CHARS = 200  # 160 bytes: text or not, it says
 
 _NOT_BASE64 = re.compile(r"[^A-Za-z0-9+/=_-]")
@@ -33,15 +30,15 @@ _B85_CHARS = string.digits + string.ascii_letters + "!#$%&()*+-;<=>?@^_`{|}~"
 _ADOBE = re.compile(r"<~[!-uz\s]+~>")
 
 
-def decoded_runs(text: str, as_text: Callable[[bytes], str | None]
+def decoded_runs(text: str, min_chars: int, as_text: Callable[[bytes], str | None]
                  ) -> list[tuple[int, int, str]]:
     """(start, end, text) of each run of `text` in Ascii85 or base85 that
-    reads as text (`as_text`: textnorm_encoded's test)."""
+    reads as text (`min_chars` and `as_text`: textnorm_encoded's)."""
     found: dict[tuple[int, int], str] = {}
     adobe = [m.span() for m in _ADOBE.finditer(text)] if "<~" in text else []
     starts = [start for start, _ in adobe]  # in order, apart: the frame a run may be in
-    for spans, decode in ((adobe + _runs(text, _A85), base64.a85decode),
-                          (_runs(text, _B85), base64.b85decode)):
+    for spans, decode in ((adobe + _runs(text, _A85, min_chars), base64.a85decode),
+                          (_runs(text, _B85, min_chars), base64.b85decode)):
         for span in spans:
             body = _unframed(text[span[0]:span[1]])
             if span in found or not _may_be_base85(body) or _framed(span, adobe, starts):
@@ -66,7 +63,6 @@ def _marks(chars: str) -> bytes:
 
 
 _A85, _B85 = _marks(_A85_CHARS), _marks(_B85_CHARS)
-_LONG = b"A" * MIN_RUN_CHARS
 
 
 # A character past ASCII (a surrogate too) as one space: in no alphabet, so a
@@ -79,18 +75,19 @@ def _as_spaces(error: UnicodeError) -> tuple[str, int]:
 codecs.register_error("skilltrain-space", _as_spaces)
 
 
-def _runs(text: str, marks: bytes) -> list[tuple[int, int]]:
-    """(start, end) of each run of MIN_RUN_CHARS characters or more of an
+def _runs(text: str, marks: bytes, min_chars: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of `min_chars` characters or more of an
     alphabet, found by bytes.translate and bytes.find (C: a regex over a 50 MiB
     log cost seconds)."""
     marked = text.encode("ascii", "skilltrain-space").translate(marks)
+    long = b"A" * min_chars
     spans = []
-    start = marked.find(_LONG)
+    start = marked.find(long)
     while start >= 0:
         end = marked.find(b" ", start)
         end = len(marked) if end < 0 else end
         spans.append((start, end))
-        start = marked.find(_LONG, end)
+        start = marked.find(long, end)
     return spans
 
 

@@ -185,7 +185,7 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
     found += [(start, end, decoded) for start, end, data in textnorm_numbers.byte_lists(text)
               if (decoded := _as_text(data)) is not None]
     found += textnorm_wrapped.narrow_blocks(text, raw, MIN_RUN_CHARS, _decode_run)
-    found += textnorm_base85.decoded_runs(text, _as_text)
+    found += textnorm_base85.decoded_runs(text, MIN_RUN_CHARS, _as_text)
     return sorted(set(found))
 
 
