@@ -923,6 +923,27 @@ def test_a_run_of_hex_digits_is_read_for_the_key_spelled_out_only_if_the_key_can
     assert leakguard_spelled.may_hit("whatalameoisthisfellow1234", plain.spelled_hex)
 
 
+def test_a_quoted_hex_run_is_read_as_the_scan_for_blocks_would_read_it() -> None:
+    # textnorm_encoded reads a hex run in double quotes (a JSON digest) alone,
+    # before the scan for blocks: the same runs found, decoded alike, as when
+    # the quotes are apostrophes (which the scan reads past the same way).
+    from skilltrain.daemon.core import textnorm_encoded
+
+    line = "The money in the biscuit tin was never yours to spend."
+    digests = [hashlib.sha256(bytes([n])).hexdigest() for n in range(4)]
+    quoted = line.encode().hex()
+    texts = [
+        f'{{"human_sha256": "{digests[0]}", "quote": "{quoted}"}}',
+        f'"{digests[1]}"\n"{digests[2]}", "{digests[3]}"x"{quoted.upper()}"',
+        # glued to a digest's half: found by neither (a run is tried at two cuts)
+        f'"{digests[2][:30]}{quoted}" and "{"ab" * 11}"',
+    ]
+    for text in texts:
+        found = textnorm_encoded.decoded_runs(text)
+        assert found == textnorm_encoded.decoded_runs(text.replace('"', "'")), text
+        assert any(line in decoded for *_, decoded in found) == (text is not texts[2])
+
+
 def test_an_encoded_block_on_lines_of_its_own_is_cut_without_the_prose_around_it() -> None:
     # A block alone on its lines: the word that ends the line above and the one
     # that starts the line below are prose, not its first or last run.

@@ -86,6 +86,7 @@ _SPACED_HEX = re.compile(
     rf"(?<![0-9A-Za-z])[0-9a-fA-F]{{2}}(?:(?:[ :-]|, ?|[ \t]*\r?\n[ \t]*)[0-9a-fA-F]{{2}})"
     rf"{{{MIN_RUN_CHARS // 2 - 1},}}+(?![0-9A-Za-z])")
 _HEX_PAIR = re.compile(r"[0-9a-fA-F]{2}")
+_QUOTED_HEX = re.compile(rf'"([0-9a-fA-F]{{{MIN_RUN_CHARS},}})"')
 
 _BASE32 = re.compile(r"[A-Z2-7]+|[a-z2-7]+")
 _BASE32_HEX = re.compile(r"[0-9A-V]+|[0-9a-v]+")
@@ -169,6 +170,8 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
     raw = text.encode("utf-8", "surrogatepass")
     found: list[tuple[int, int, str]] = []
     marked = raw.translate(_ONLY_ALPHABET)
+    if _LONG_RUN in marked and len(marked) == len(text):
+        found, marked = _quoted_hex(text, marked)
     if _LONG_RUN in marked:
         regions = _long_regions(text, marked)
         tried: set[tuple[tuple[int, int], ...]] = set()  # a digest is a run of all three
@@ -187,6 +190,22 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
     found += textnorm_wrapped.narrow_blocks(text, raw, MIN_RUN_CHARS, _decode_run)
     found += textnorm_base85.decoded_runs(text, MIN_RUN_CHARS, _as_text)
     return sorted(set(found))
+
+
+def _quoted_hex(text: str, marked: bytes) -> tuple[list[tuple[int, int, str]], bytes]:
+    """Runs of hex digits in double quotes (a JSON digest: a sidecar has nine),
+    decoded alone as the blocks below would decode them (a quote on each side:
+    in no block with a line before or after), and taken out of `marked`, so
+    the scan for blocks does not try them thrice. `text` is ASCII (its offsets
+    are `marked`'s)."""
+    found: list[tuple[int, int, str]] = []
+    blanked = bytearray(marked)
+    for m in _QUOTED_HEX.finditer(text):
+        start, end = m.span(1)
+        blanked[start:end] = b" " * (end - start)
+        if (decoded := _decode_run(m.group(1))) is not None:
+            found.append((start, end, decoded))
+    return found, bytes(blanked)
 
 
 def _long_regions(text: str, marked: bytes) -> list[tuple[int, int]]:
