@@ -923,6 +923,17 @@ def test_a_run_of_hex_digits_is_read_for_the_key_spelled_out_only_if_the_key_can
     assert leakguard_spelled.may_hit("whatalameoisthisfellow1234", plain.spelled_hex)
 
 
+def test_the_shortest_text_that_can_leak_is_read_and_shorter_ascii_is_passed() -> None:
+    # AnswerKeys passes an ASCII string shorter than 2n - 1 characters unread
+    # (a log line's job id): seven one-letter words of the key are 13.
+    index = leakguard.index_for("short", {1: "INT. ROOM - DAY\n\nANNA\nQ X Z J K V W.\n"})
+    keys = leakguard.AnswerKeys([index])
+    for text in ("q x z j k v w", "Q-X-Z-J-K-V-W", "q.x.z.j.k.v.w"):
+        assert keys.leaks(text) == find_leaks(text, index) != [], text
+    assert keys.leaks("qx z j k v w") == [] == find_leaks("qx z j k v w", index)
+    assert keys.clean("1315639c9f21") == "1315639c9f21"
+
+
 def test_a_quoted_hex_run_is_read_as_the_scan_for_blocks_would_read_it() -> None:
     # textnorm_encoded reads a hex run in double quotes (a JSON digest) alone,
     # before the scan for blocks: the same runs found, decoded alike, as when

@@ -66,6 +66,7 @@ from typing import Protocol
 
 from ..core import textnorm
 from ..core.textnorm import Reading
+from ..core.textnorm_reading import SPELLED_CHARS
 from . import leakguard_spelled
 from .leakguard_index import (
     LONG_MIN_CONTENT_WORDS,
@@ -354,6 +355,12 @@ class AnswerKeys:
         # work uses (a log line's path, an id) is passed with one look per
         # reading, not one per work (bench/RESULTS.md, issue 36).
         self._n = min((index.n for index in self.indexes), default=0)
+        # Fewer ASCII characters than the shortest text any reading holds a
+        # leak in: n words need n - 1 characters between them, and no reading
+        # of ASCII text has more characters than it (a decoding has fewer);
+        # the key spelled out takes SPELLED_CHARS letters. A log line's job
+        # id, range or event name is that short.
+        self._shortest = min(2 * self._n - 1, SPELLED_CHARS)
         self._words = frozenset().union(*(index.words for index in self.indexes))
         # The kinds every index has (one built without them is screened by the
         # derived reading's own words, against _words).
@@ -365,7 +372,7 @@ class AnswerKeys:
 
     def leaks(self, text: str) -> list[Leak]:
         """Leaks of any work, in order; those of two works may overlap."""
-        if not self.indexes:
+        if not self.indexes or (len(text) < self._shortest and text.isascii()):
             return []
         views = textnorm.readings(text)
         if not any(known_run(v, self._words, self._words_as, self._n) for v in views) \
