@@ -2,7 +2,7 @@
 
 PITFALLS: the OpenAI SDK under litellm retries on its own (3 attempts) and litellm's
 `num_retries` adds more on top, with no wait. Both are switched off (`max_retries=0`,
-`num_retries=0`) and tenacity runs the retries with the project's one backoff policy
+`num_retries=0`) and tenacity runs the retries (llm_retry.py) with the project's one backoff policy
 (core/backoff.py: exponential, full jitter) on 429/5xx/timeouts/connection errors, at least as
 long as the server asks (Retry-After in seconds or as an HTTP date, or retry-after-ms, read by
 the OpenAI SDK's own parser), no retry on auth or bad-request errors.
@@ -22,12 +22,10 @@ import asyncio
 import os
 import re
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
-
-import tenacity
 
 from ..core import backoff, textnorm
 from ..core.config import BUILTIN_MODEL, LLMConfig
@@ -38,11 +36,10 @@ from .llm_endpoints import Slot
 from .llm_errors import error_headers as _error_headers
 from .llm_errors import flex_unavailable, refused_key
 from .llm_errors import retry_after as _retry_after
+from .llm_retry import AsyncSleep, RetryableError, RetryHook, retried
 
 Message = dict[str, Any]
 BUILTIN_PREFIX = BUILTIN_MODEL.split("/")[0] + "/"
-RetryHook = Callable[[int, float, BaseException], None]
-AsyncSleep = Callable[[float], Awaitable[None]]
 
 LOGGING_THREADS = 2  # litellm's success/failure handlers (it logs nothing we need)
 _import_lock = threading.Lock()
@@ -86,21 +83,6 @@ class Completion:
     # cache_creation_input_tokens): billed above the input price.
     tokens_cache_write: int = 0
     service_tier: str | None = None  # "flex", or "standard" after flex fell back (llm_flex)
-
-
-class RetryableError(Exception):
-    """A transient failure: worth another attempt after a wait.
-
-    `rate_limited`: the provider said slow down (a 429, or a 503 with
-    Retry-After); `headers`: what it sent (for the limiter).
-    """
-
-    def __init__(self, message: str, retry_after_s: float | None = None, *,
-                 rate_limited: bool = False, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.rate_limited = rate_limited
-        self.headers = headers or {}
 
 
 def warm_up(model: str) -> None:
@@ -182,7 +164,6 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
     """
     slot = slot or Slot(None)
     attempts = 0
-    policy = backoff.llm_call(settings)
 
     async def attempt() -> Any:
         nonlocal attempts
@@ -215,27 +196,13 @@ async def acomplete(messages: Sequence[Message], settings: LLMConfig, *,
                        tokens=int(getattr(usage, "total_tokens", 0) or 0))
         return response
 
-    def wait(state: tenacity.RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome else None
-        retry_after_s = exc.retry_after_s if isinstance(exc, RetryableError) else None
-        return policy.delay_s(state.attempt_number, retry_after_s=retry_after_s)
-
-    def before_sleep(state: tenacity.RetryCallState) -> None:
-        if on_retry is not None and state.outcome is not None and state.next_action:
-            error = state.outcome.exception()
-            assert error is not None
-            on_retry(state.attempt_number, state.next_action.sleep, error)
-
-    retrying = tenacity.AsyncRetrying(
-        retry=tenacity.retry_if_exception_type(RetryableError),
-        stop=tenacity.stop_after_attempt(settings.max_retries + 1),
-        wait=wait,
-        sleep=sleep or asyncio.sleep,
-        before_sleep=before_sleep,
-        reraise=True,
-    )
     try:
-        response: Any = await retrying(attempt)
+        try:
+            # Most calls: one attempt, and no retry machinery (tenacity's ~25 us).
+            response: Any = await attempt()
+        except RetryableError as e:
+            response = await retried(attempt, e, backoff.llm_call(settings),
+                                    settings.max_retries, on_retry, sleep)
     except RetryableError as e:
         # A rate limit is tried again later (outcomes.py): not "gave up".
         said = (f"rate-limited on {attempts} attempts in a row" if e.rate_limited
