@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..core import config, dataset, layout, run_toml
 from ..core.errors import ConfigError, RefusedError
+from ..core.short_memo import ShortStringMemo
 from ..guard import leakguard
 from ..infra.state import StateStore
 
@@ -253,9 +254,18 @@ def _data_signature(data: Path) -> tuple[tuple[str, int], ...]:
 
 def quotes_the_key(run: str) -> bool:
     """A run folder named with a line of the answer key is not scored (nor
-    looped): its name would be in every report path, state row and log line."""
+    looped): its name would be in every report path, state row and log line.
+    Asked several times a job (its step's sets, its landing): each name's
+    answer is kept while the installed keys are the same."""
     keys = leakguard.installed()
-    return keys is not None and bool(keys.leaks(run))
+    return keys is not None and _quoting.get(run, keys, _leak_or_empty) != ""
+
+
+def _leak_or_empty(run: str, keys: leakguard.AnswerKeys) -> str:
+    return "leaks" if keys.leaks(run) else ""
+
+
+_quoting = ShortStringMemo(max_chars=255, max_entries=1024)  # a folder name: 255 at most
 
 
 def usable_runs(runs: Path) -> list[str]:
