@@ -735,10 +735,12 @@ INVISIBLE_AND_LATIN_DISGUISES = [
 # the quote may join its run, so these are read as the markup ones are.
 QUOTED_PRINTABLE_DISGUISES = ["quoted-printable, spaces quoted",
                               "quoted-printable, curly apostrophes"]
+# Leetspeak leaves the prose around a quote as it is: read as a plain quote.
+LEET_DISGUISES = ["leetspeak", "leetspeak, vowels only"]
 
 
 @pytest.mark.parametrize("disguise", MARKUP_DISGUISES + INVISIBLE_AND_LATIN_DISGUISES
-                         + QUOTED_PRINTABLE_DISGUISES)
+                         + QUOTED_PRINTABLE_DISGUISES + LEET_DISGUISES)
 def test_markup_invisible_characters_and_letter_variants_do_not_hide_a_quote(
         disguise: str) -> None:
     # Issue 34: grab`bed, gr*abbed, Wouldn`t are one word to a reader; a guard

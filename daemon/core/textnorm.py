@@ -77,7 +77,7 @@ DECODE_LEVELS = 4
 ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 6
+VERSION = 7
 
 # Quoted-printable's byte past ASCII: =XX runs that form one UTF-8 character.
 _QP_CHAR = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"
@@ -304,7 +304,8 @@ def readings(text: str, *, offsets: bool = False,
              encoded_levels: int = ENCODED_LEVELS) -> list[Reading]:
     """The readings of `text`: one, or three when it has format characters;
     each once more with mid-word markup joined when it has some (`_joined`);
-    each of those in rot13, the first backwards (three ways); then those of what its encoded
+    each of those in rot13, the first backwards (three ways), the first ones
+    in leetspeak if they have it; then those of what its encoded
     stretches decode to (textnorm_encoded), down to `encoded_levels`
     encodings deep.
 
@@ -314,11 +315,12 @@ def readings(text: str, *, offsets: bool = False,
     """
     unescaped = _decode_escapes(text, None, None)[0]
     out = _readings(text, offsets, unescaped)
+    leet = [r for r in map(textnorm_encoded.leet_reading, out) if r is not None]
     out += [j for r in out if (j := _joined(r, offsets)) is not None]
     # Backwards: the first reading alone (a reversal with markup inside words
     # too is one disguise on another; each reading more costs the audit ~15 %).
     out += [textnorm_encoded.rot13_reading(r) for r in out] + \
-        textnorm_encoded.backwards_readings(out[0], offsets)
+        textnorm_encoded.backwards_readings(out[0], offsets) + leet
     if encoded_levels:
         out += textnorm_encoded.encoded_readings(
             text, offsets, lambda inner, at: readings(

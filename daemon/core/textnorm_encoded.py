@@ -28,6 +28,9 @@ key's words before their runs are hashed.
 Base85 and Ascii85 (the base64 module's others, their alphabets with
 punctuation): textnorm_base85.
 
+Leetspeak (digits for the letters they look like) is one more reading of a
+text that has such digits inside words.
+
 Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
 word, a quote half plain and half encoded, shifts other than 13.
 (Quoted-printable is an escape, decoded in place: textnorm.)
@@ -96,6 +99,32 @@ _ROTATED = "".join(letters[13:] + letters[:13]
                    for letters in (string.ascii_lowercase, string.ascii_uppercase))
 _ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), _ROTATED.encode("ascii"))
 _ROT13_TEXT = str.maketrans(string.ascii_letters, _ROTATED)
+
+
+# Leetspeak: digits written for the letters they look like ("7h3 m0n3y").
+# Read only in a text with MIN_LEET_WORDS words of letters and such digits,
+# a word's length (a base64 run or a digest mixes them too, at length): a
+# bytes.translate and a count (C) first, a regex over the marks then. A quote
+# of 7 words in it has more, and most prose has none.
+_LEET_DIGITS, _LEET_LETTERS = "013457", "oieast"
+_LEET = str.maketrans(_LEET_DIGITS, _LEET_LETTERS)
+_LEET_MARKS = bytes(ord("d") if chr(c) in _LEET_DIGITS else ord("x") if chr(c).isdigit()
+                    else ord("a") if chr(c).isalpha() else ord(" ") for c in range(128)) \
+    + b" " * 128
+_LEET_WORD = re.compile(rb"(?<![adx])(?=[ad]{2,12}(?![adx]))(?:a+d|d+a)")
+MIN_LEET_WORDS = 3
+
+
+def leet_reading(reading: Reading) -> Reading | None:
+    """`reading` with 0 1 3 4 5 7 read as o i e a s t, at its offsets; None
+    when fewer than MIN_LEET_WORDS of its words mix them with letters."""
+    marks = reading.text.encode("utf-8", "surrogatepass").translate(_LEET_MARKS)
+    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS \
+            or len(_LEET_WORD.findall(marks)) < MIN_LEET_WORDS:
+        return None
+    return Reading(reading.original, reading.text.translate(_LEET), reading.starts,
+                   reading.ends, " ".join(reading.tokens).translate(_LEET).split(),
+                   screen_first=True)
 
 
 def rot13(text: str) -> str:

@@ -184,6 +184,9 @@ DISGUISES: dict[str, Callable[[str], str]] = {
         "\n".join(re.findall(".{1,16}", base64.b64encode(s.encode()).decode())))[1:-1],
     "base64 at 16, quoted in Markdown": lambda s: "\n> " + "\n> ".join(
         re.findall(".{1,16}", base64.b64encode(s.encode()).decode())) + "\n",
+    # Digits for the letters they look like (a o e i s t).
+    "leetspeak": lambda s: s.translate(str.maketrans("aAoOeEiIsStT", "440033115577")),
+    "leetspeak, vowels only": lambda s: s.translate(str.maketrans("aAoOeEiI", "44003311")),
 }
 
 # The line spelled out: its words are gone, its letters stay (leakguard_spelled).
