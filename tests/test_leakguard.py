@@ -834,7 +834,8 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "base32hex", "bytes in decimal, 12 a line",
                      "bytes as 0x, a C array's rows", "hex bytes apart by commas",
                      "octal escapes in a JSON string", "base64 at 16, in a JSON string",
-                     "base64 at 16, quoted in Markdown"]
+                     "base64 at 16, quoted in Markdown", "Morse code",
+                     "Morse code, words three spaces apart"]
 
 
 @pytest.mark.parametrize("disguise", ENCODED_DISGUISES)

@@ -26,7 +26,7 @@ readings' words rotated or reversed, at their offsets, made for every text
 key's words before their runs are hashed.
 
 Base85 and Ascii85 (the base64 module's others, their alphabets with
-punctuation): textnorm_base85.
+punctuation): textnorm_base85. Morse code: textnorm_morse.
 
 Leetspeak (digits for the letters they look like) is one more reading of a
 text that has such digits inside words.
@@ -44,7 +44,7 @@ import re
 import string
 from collections.abc import Callable
 
-from . import textnorm_base85, textnorm_numbers, textnorm_wrapped
+from . import textnorm_base85, textnorm_morse, textnorm_numbers, textnorm_wrapped
 from .textnorm_reading import WORD_TRANSFORMS, DerivedReading, Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
@@ -218,6 +218,7 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
               if (decoded := _as_text(data)) is not None]
     found += textnorm_wrapped.narrow_blocks(text, raw, MIN_RUN_CHARS, _decode_run)
     found += textnorm_base85.decoded_runs(text, MIN_RUN_CHARS, _as_text)
+    found += textnorm_morse.decoded_runs(text, raw)
     return sorted(set(found))
 
 

@@ -59,6 +59,11 @@ _SMALL_CAPITALS = str.maketrans({
     "t": "\u1d1b", "u": "\u1d1c", "v": "\u1d20", "w": "\u1d21", "y": "\u028f", "z": "\u1d22",
 })
 
+_MORSE = dict(zip("abcdefghijklmnopqrstuvwxyz0123456789'-.,?!:", (
+    ".- -... -.-. -.. . ..-. --. .... .. .--- -.- .-.. -- -. --- .--. --.- .-. ... - ..- "
+    "...- .-- -..- -.-- --.. ----- .---- ..--- ...-- ....- ..... -.... --... ---.. ----. "
+    ".----. -....- .-.-.- --..-- ..--.. -.-.-- ---...").split(), strict=True))
+
 DISGUISES: dict[str, Callable[[str], str]] = {
     "plain": lambda s: s,
     "upper": str.upper,
@@ -184,6 +189,11 @@ DISGUISES: dict[str, Callable[[str], str]] = {
         "\n".join(re.findall(".{1,16}", base64.b64encode(s.encode()).decode())))[1:-1],
     "base64 at 16, quoted in Markdown": lambda s: "\n> " + "\n> ".join(
         re.findall(".{1,16}", base64.b64encode(s.encode()).decode())) + "\n",
+    # Morse code: letters apart by a space, words by " / " (or three spaces).
+    "Morse code": lambda s: " / ".join(" ".join(_MORSE[c] for c in w.lower() if c in _MORSE)
+                                       for w in s.split()),
+    "Morse code, words three spaces apart": lambda s: "   ".join(
+        " ".join(_MORSE[c] for c in w.lower() if c in _MORSE) for w in s.split()),
     # Digits for the letters they look like (a o e i s t).
     "leetspeak": lambda s: s.translate(str.maketrans("aAoOeEiIsStT", "440033115577")),
     "leetspeak, vowels only": lambda s: s.translate(str.maketrans("aAoOeEiI", "44003311")),
