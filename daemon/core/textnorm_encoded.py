@@ -101,6 +101,31 @@ _ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), _ROTATED.encode("
 _ROT13_TEXT = str.maketrans(string.ascii_letters, _ROTATED)
 
 
+# Caesar's other shifts (rot13 is a reading of every text, above): a text is
+# read at one only when the guard finds its words shifted from the key's
+# (leakguard_caesar).
+SHIFTS = tuple(k for k in range(1, 26) if k != 13)
+_SHIFTED = {k: "".join(letters[k:] + letters[:k]
+                       for letters in (string.ascii_lowercase, string.ascii_uppercase))
+            for k in SHIFTS}
+_SHIFT_BYTES = {k: bytes.maketrans(string.ascii_letters.encode("ascii"), moved.encode("ascii"))
+                for k, moved in _SHIFTED.items()}
+_SHIFT_TEXT = {k: str.maketrans(string.ascii_letters, moved) for k, moved in _SHIFTED.items()}
+
+
+def caesar(text: str, shift: int) -> str:
+    """`text` with its ASCII letters moved `shift` (one of SHIFTS) places on."""
+    if text.isascii():
+        return text.encode("ascii").translate(_SHIFT_BYTES[shift]).decode("ascii")
+    return text.translate(_SHIFT_TEXT[shift])
+
+
+def caesar_reading(reading: Reading, shift: int) -> Reading:
+    """`reading` with its letters moved `shift` places on, at its offsets."""
+    return Reading(reading.original, caesar(reading.text, shift), reading.starts, reading.ends,
+                   caesar(" ".join(reading.tokens), shift).split(), screen_first=True)
+
+
 # Leetspeak: digits written for the letters they look like ("7h3 m0n3y").
 # Read only in a text with MIN_LEET_WORDS words of letters and such digits,
 # a word's length (a base64 run or a digest mixes them too, at length): a

@@ -9,11 +9,13 @@ archived (the archive allows the model's text: it must not be a key).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..core import dataset
 from ..core.errors import RefusedError
 from . import leakguard
+from .leakguard_index import HumanIndex
 
 # A model episode this much of whose word runs are a key's is a copy of it with
 # something changed; a closed-book draft of the same story shares 0-0.4 % (data/example).
@@ -74,9 +76,21 @@ def refuse_near_copies(scripts_dir: Path, model: dict[int, str],
         runs: dict[int, list[int]] = {}  # n -> a sample of the episode's n-word runs
         for index in indexes:
             hashes = runs.setdefault(index.n, _sampled_runs(words, index.n))
-            share, episode = leakguard.copied_share(hashes, index)
+            share, episode = copied_share(hashes, index)
             if share >= COPY_SHARE:
                 raise RefusedError(
                     f"model episode {scripts_dir / dataset.episode_name(n)} is {share:.0%} "
                     f"the text of human {dataset.episode_name(episode)} of work "
                     f"{index.work} (a copy of its answer key); not sent")
+
+
+def copied_share(hashes: Sequence[int], index: HumanIndex) -> tuple[float, int]:
+    """How much of a text is the indexed key, from its n-word runs' hashes
+    (shingle_hashes of its tokens, n = index.n): the share of them the key
+    has, and the episode most of them come from. A copy of a key episode with
+    a byte changed is ~1.0; a closed-book draft of the same story shares a
+    few runs (data/example's draft: 0-0.4 %)."""
+    episodes = [e for e in map(index.episode_of.get, hashes) if e is not None]
+    if not episodes:
+        return 0.0, 0
+    return len(episodes) / len(hashes), max(set(episodes), key=episodes.count)

@@ -66,8 +66,10 @@ from typing import Protocol
 
 from ..core import textnorm
 from ..core.textnorm import Reading
+from ..core.textnorm_encoded import caesar_reading
 from ..core.textnorm_reading import SPELLED_CHARS
-from . import leakguard_spelled
+from . import leakguard_caesar, leakguard_spelled
+from .leakguard_caesar import is_first
 from .leakguard_index import (
     LONG_MIN_CONTENT_WORDS,
     LONG_RUN_WORDS,
@@ -200,31 +202,52 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
         allowed = allowed or allow()
         return allowed
 
+    def mapped_view(k: int, view: Reading, back: int | None = None) -> Reading:
+        """The view with offsets (escapes decoded or letters folded: map back)."""
+        nonlocal mapped
+        if view.text is text and back is None:
+            return view
+        mapped = mapped or textnorm.readings(text, offsets=True)
+        return mapped[k] if back is None else caesar_reading(mapped[k], back)
+
     for k, view in enumerate(views):
-        # first word, last word, episode, words
-        found = _spelled_spans(view, index, allowed_now)
-        if not screened_out(view, index):
-            key = (k, index.n, index.long_n)
-            hashes = hashed.get(key) if hashed is not None else None
-            if hashes is None:
-                hashes = _hashes(view, index.n, index.long_n)
-                if hashed is not None:
-                    hashed[key] = hashes
-            if not index.episode_of.keys().isdisjoint(hashes):  # rare: offsets needed
-                found += [(first, last, episode, last - first + 1) for first, last, episode
-                          in _token_spans(view.tokens, hashes, index, allowed_now())]
-        if not found:
-            continue
-        wanted = {i for first, last, *_ in found for i in (first, last)}
-        if view.text is not text:  # escapes decoded or letters folded: map back
-            mapped = mapped or textnorm.readings(text, offsets=True)
-            view = mapped[k]
-        where = view.token_spans(wanted)
-        # min/max: a reading backwards (textnorm) has its first word last.
-        spans += [(min(where[first][0], where[last][0]), max(where[first][1], where[last][1]),
-                   episode, words) for first, last, episode, words in found]
+        found = _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n))
+        if found:
+            spans += _char_spans(mapped_view(k, view), found)
+        if index.shifted and is_first(view):  # the key in a Caesar shift (not 13)
+            for back, shifted in leakguard_caesar.shifted_back(view, index):
+                if found := _view_spans(shifted, index, allowed_now):
+                    spans += _char_spans(mapped_view(k, view, back), found)
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
             for s, e, ep, w in _merge_spans(spans)]
+
+
+def _view_spans(view: Reading, index: HumanIndex, allowed: Callable[[], _Allowed],
+                hashed: dict[tuple[int, int, int], list[int]] | None = None,
+                key: tuple[int, int, int] | None = None) -> list[tuple[int, int, int, int]]:
+    """(first word, last word, episode, words) of each run of the key in one
+    reading; `hashed[key]`: its shingle hashes, kept across indexes."""
+    found = _spelled_spans(view, index, allowed)
+    if not screened_out(view, index):
+        hashes = hashed.get(key) if hashed is not None and key is not None else None
+        if hashes is None:
+            hashes = _hashes(view, index.n, index.long_n)
+            if hashed is not None and key is not None:
+                hashed[key] = hashes
+        if not index.episode_of.keys().isdisjoint(hashes):  # rare: offsets needed
+            found += [(first, last, episode, last - first + 1) for first, last, episode
+                      in _token_spans(view.tokens, hashes, index, allowed())]
+    return found
+
+
+def _char_spans(view: Reading, found: list[tuple[int, int, int, int]]
+                ) -> list[tuple[int, int, int, int]]:
+    """(start, end, episode, words) in the text of each run found in `view`
+    (the reading with offsets)."""
+    where = view.token_spans({i for first, last, *_ in found for i in (first, last)})
+    # min/max: a reading backwards (textnorm) has its first word last.
+    return [(min(where[first][0], where[last][0]), max(where[first][1], where[last][1]),
+             episode, words) for first, last, episode, words in found]
 
 
 def _spelled_spans(view: Reading, index: HumanIndex,
@@ -376,7 +399,8 @@ class AnswerKeys:
             return []
         views = textnorm.readings(text)
         if not any(known_run(v, self._words, self._words_as, self._n) for v in views) \
-                and not spells(views):
+                and not spells(views) \
+                and not any(leakguard_caesar.may_hold(views, i) for i in self.indexes):
             return []  # no run of any work's words: the common log field
         found: list[Leak] = []
         for index in self.indexes:
@@ -388,18 +412,6 @@ class AnswerKeys:
         """`text` with the passages of every work redacted."""
         leaks = self.leaks(text)
         return redact(text, leaks, marker) if leaks else text
-
-
-def copied_share(hashes: Sequence[int], index: HumanIndex) -> tuple[float, int]:
-    """How much of a text is the indexed key, from its n-word runs' hashes
-    (shingle_hashes of its tokens, n = index.n): the share of them the key
-    has, and the episode most of them come from. A copy of a key episode with
-    a byte changed is ~1.0; a closed-book draft of the same story shares a
-    few runs (data/example's draft: 0-0.4 %)."""
-    episodes = [e for e in map(index.episode_of.get, hashes) if e is not None]
-    if not episodes:
-        return 0.0, 0
-    return len(episodes) / len(hashes), max(set(episodes), key=episodes.count)
 
 
 class LineStream:

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
+from ..core.textnorm_encoded import SHIFTS, caesar
 from ..core.textnorm_reading import WORD_TRANSFORMS, hashed_runs
 from . import leakguard_spelled
 from .leakguard_spelled import SPELLED_CHARS
@@ -249,6 +250,11 @@ class HumanIndex:
     # shingles that are one hold the key's words in reverse order
     # (leakguard_screen), a test with no second pass over the text.
     backward: frozenset[int] = frozenset()
+    # Each word of the key in each Caesar shift but 13: the hash of the
+    # shifted word -> the shifts (bits) that make it (leakguard_caesar); and
+    # those of SHIFTED_SCREEN_LETTERS letters or more, its first screen.
+    shifted: Mapping[int, int] = field(default_factory=dict)
+    shifted_long: frozenset[int] = frozenset()
 
     @classmethod
     def build(
@@ -344,6 +350,8 @@ class HumanIndex:
             spelled=spelled,
             spelled_hex=spelled_hex,
             backward=frozenset(backward),
+            shifted=(shifted := _shifted(vocabulary))[0],
+            shifted_long=shifted[1],
             words_as={kind: frozenset(map(hash, transform(sorted(vocabulary))))
                       for kind, transform in WORD_TRANSFORMS.items()},
         )
@@ -366,6 +374,26 @@ class HumanIndex:
             f"HumanIndex(work={self.work!r}, n={self.n}, long_n={self.long_n}, "
             f"words={self.n_words}, shingles={len(self.episode_of)}, seeds={len(self.seeds)})"
         )
+
+
+# A shifted quote has a word this long: most words this long in prose are no
+# shift of a key word, so a set test (C) passes most texts at once.
+SHIFTED_SCREEN_LETTERS = 4
+
+
+def _shifted(vocabulary: set[str]) -> tuple[dict[int, int], frozenset[int]]:
+    """HumanIndex.shifted and .shifted_long: each word with a letter, in each
+    shift (one C call a shift)."""
+    words = sorted(w for w in vocabulary if not w.isdigit())
+    shifted: dict[int, int] = {}
+    long: set[int] = set()
+    for shift in SHIFTS:
+        for word in caesar(" ".join(words), shift).split():
+            key = hash(word)
+            shifted[key] = shifted.get(key, 0) | 1 << shift
+            if len(word) >= SHIFTED_SCREEN_LETTERS:
+                long.add(key)
+    return shifted, frozenset(long)
 
 
 def has_known_run(hashes: Sequence[int], words: frozenset[int], n: int) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..core.textnorm_reading import DerivedReading, Reading
+from . import leakguard_caesar
 from .leakguard_index import HumanIndex, has_known_run
 
 
@@ -19,7 +20,7 @@ def may_leak(views: Sequence[Reading], index: HumanIndex) -> bool:
     """False if no reading can hold the key: a bulk test before `find_leaks`
     (the audit, the log seal). True: look closer."""
     return any(not screened_out(v, index) and index.may_match(v.tokens) for v in views) \
-        or spells(views)
+        or spells(views) or leakguard_caesar.may_hold(views, index)
 
 
 def screened_out(view: Reading, index: HumanIndex) -> bool:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import quopri
 import re
+import string
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,13 @@ _MORSE = dict(zip("abcdefghijklmnopqrstuvwxyz0123456789'-.,?!:", (
     ".- -... -.-. -.. . ..-. --. .... .. .--- -.- .-.. -- -. --- .--. --.- .-. ... - ..- "
     "...- .-- -..- -.-- --.. ----- .---- ..--- ...-- ....- ..... -.... --... ---.. ----. "
     ".----. -....- .-.-.- --..-- ..--.. -.-.-- ---...").split(), strict=True))
+
+def _caesar(text: str, shift: int) -> str:
+    lower, upper = string.ascii_lowercase, string.ascii_uppercase
+    k = shift % 26
+    return text.translate(str.maketrans(lower + upper,
+                                        lower[k:] + lower[:k] + upper[k:] + upper[:k]))
+
 
 DISGUISES: dict[str, Callable[[str], str]] = {
     "plain": lambda s: s,
@@ -189,6 +197,10 @@ DISGUISES: dict[str, Callable[[str], str]] = {
         "\n".join(re.findall(".{1,16}", base64.b64encode(s.encode()).decode())))[1:-1],
     "base64 at 16, quoted in Markdown": lambda s: "\n> " + "\n> ".join(
         re.findall(".{1,16}", base64.b64encode(s.encode()).decode())) + "\n",
+    # Caesar's other shifts (rot13 is above).
+    "Caesar, shifted by 3": lambda s: _caesar(s, 3),
+    "Caesar, shifted by 1": lambda s: _caesar(s, 1),
+    "Caesar, shifted back by 5": lambda s: _caesar(s, -5),
     # Morse code: letters apart by a space, words by " / " (or three spaces).
     "Morse code": lambda s: " / ".join(" ".join(_MORSE[c] for c in w.lower() if c in _MORSE)
                                        for w in s.split()),

@@ -1,0 +1,58 @@
+"""The key in a Caesar shift other than 13 (rot13 is a reading of every text:
+textnorm): a text is read at the shift that makes n of its words in a row
+the key's.
+
+No cheap test tells a shifted line in prose, and 24 more readings of every
+text would cost more than all the others together. The index keeps each key
+word in every shift (HumanIndex.shifted: the shifted word's hash -> the
+shifts that make it), so a text's first readings are screened by C calls: a
+set test of its longer words first (two of them), then a pass over all of
+them; only a run of n words whose shifts have one in common is read again,
+shifted back by it.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import re
+from collections.abc import Sequence
+
+from ..core.textnorm_encoded import SHIFTS, caesar_reading
+from ..core.textnorm_reading import Reading
+from .leakguard_index import HumanIndex
+
+# Longer words of the key shifted that a text must have, each its own (C):
+# prose has one now and then ("meet" is "wood" shifted), a quote more.
+SCREEN_WORDS = 2
+
+
+def shifted_back(view: Reading, index: HumanIndex) -> list[tuple[int, Reading]]:
+    """(shift back, the reading shifted back by it) for each shift that makes
+    n words in a row of `view` the key's words; [] for most texts."""
+    return [(back, caesar_reading(view, back)) for back in _backs(view, index)]
+
+
+def may_hold(views: Sequence[Reading], index: HumanIndex) -> bool:
+    """Does a first reading have n words in a row of the key in one shift?"""
+    return any(_backs(view, index) for view in views if is_first(view))
+
+
+def is_first(view: Reading) -> bool:
+    """A reading of the text as written (or decoded): not itself a derived one."""
+    return not view.screen_first and view.focus is None
+
+
+def _backs(view: Reading, index: HumanIndex) -> list[int]:
+    shifted, n = index.shifted, index.n
+    hashes = view.word_hashes()
+    if not shifted or len(index.shifted_long.intersection(hashes)) < SCREEN_WORDS:
+        return []
+    known = bytes(map(shifted.__contains__, hashes))
+    if b"\x01" * n not in known:
+        return []
+    common = 0
+    for run in re.finditer(b"\x01{%d,}" % n, known):
+        masks = [shifted[h] for h in hashes[run.start():run.end()]]
+        for first in range(len(masks) - n + 1):
+            common |= functools.reduce(operator.and_, masks[first:first + n])
+    return [26 - shift for shift in SHIFTS if common >> shift & 1]
