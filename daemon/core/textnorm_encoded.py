@@ -31,8 +31,11 @@ punctuation): textnorm_base85. Morse code: textnorm_morse.
 Leetspeak (digits for the letters they look like) is one more reading of a
 text that has such digits inside words.
 
+Caesar's other shifts are read by the guard, at the shift its index finds
+(leakguard_caesar), with `caesar_reading`.
+
 Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
-word, a quote half plain and half encoded, shifts other than 13.
+word, a quote half plain and half encoded, Atbash, pig latin.
 (Quoted-printable is an escape, decoded in place: textnorm.)
 """
 from __future__ import annotations
