@@ -98,26 +98,21 @@ _BASE32 = re.compile(r"[A-Z2-7]+|[a-z2-7]+")
 _BASE32_HEX = re.compile(r"[0-9A-V]+|[0-9a-v]+")
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
 
-_ROTATED = "".join(letters[13:] + letters[:13]
-                   for letters in (string.ascii_lowercase, string.ascii_uppercase))
-_ROT13 = bytes.maketrans(string.ascii_letters.encode("ascii"), _ROTATED.encode("ascii"))
-_ROT13_TEXT = str.maketrans(string.ascii_letters, _ROTATED)
-
-
-# Caesar's other shifts (rot13 is a reading of every text, above): a text is
-# read at one only when the guard finds its words shifted from the key's
-# (leakguard_caesar).
+# A Caesar shift's tables, for every shift: rot13 is a reading of every text
+# (below); the others are read only when the guard finds a text's words
+# shifted from the key's (leakguard_caesar), at that shift.
 SHIFTS = tuple(k for k in range(1, 26) if k != 13)
-_SHIFTED = {k: "".join(letters[k:] + letters[:k]
-                       for letters in (string.ascii_lowercase, string.ascii_uppercase))
-            for k in SHIFTS}
+_MOVED = {k: "".join(letters[k:] + letters[:k]
+                     for letters in (string.ascii_lowercase, string.ascii_uppercase))
+          for k in range(1, 26)}
 _SHIFT_BYTES = {k: bytes.maketrans(string.ascii_letters.encode("ascii"), moved.encode("ascii"))
-                for k, moved in _SHIFTED.items()}
-_SHIFT_TEXT = {k: str.maketrans(string.ascii_letters, moved) for k, moved in _SHIFTED.items()}
+                for k, moved in _MOVED.items()}
+_SHIFT_TEXT = {k: str.maketrans(string.ascii_letters, moved) for k, moved in _MOVED.items()}
 
 
 def caesar(text: str, shift: int) -> str:
-    """`text` with its ASCII letters moved `shift` (one of SHIFTS) places on."""
+    """`text` with its ASCII letters moved `shift` (1 to 25) places on (ASCII
+    text by bytes.translate: C, no dict lookup a character)."""
     if text.isascii():
         return text.encode("ascii").translate(_SHIFT_BYTES[shift]).decode("ascii")
     return text.translate(_SHIFT_TEXT[shift])
@@ -125,8 +120,14 @@ def caesar(text: str, shift: int) -> str:
 
 def caesar_reading(reading: Reading, shift: int) -> Reading:
     """`reading` with its letters moved `shift` places on, at its offsets."""
-    return Reading(reading.original, caesar(reading.text, shift), reading.starts, reading.ends,
-                   caesar(" ".join(reading.tokens), shift).split(), screen_first=True)
+    return _letters_changed(reading, lambda text: caesar(text, shift))
+
+
+def _letters_changed(reading: Reading, change: Callable[[str], str]) -> Reading:
+    """`reading` with `change` (one character for one) made to its text and
+    words, at its offsets; screened by its words first, as rot13's is."""
+    return Reading(reading.original, change(reading.text), reading.starts, reading.ends,
+                   change(" ".join(reading.tokens)).split(), screen_first=True)
 
 
 # Leetspeak: digits written for the letters they look like ("7h3 m0n3y").
@@ -150,17 +151,12 @@ def leet_reading(reading: Reading) -> Reading | None:
     if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS \
             or len(_LEET_WORD.findall(marks)) < MIN_LEET_WORDS:
         return None
-    return Reading(reading.original, reading.text.translate(_LEET), reading.starts,
-                   reading.ends, " ".join(reading.tokens).translate(_LEET).split(),
-                   screen_first=True)
+    return _letters_changed(reading, lambda text: text.translate(_LEET))
 
 
 def rot13(text: str) -> str:
-    """`text` with its ASCII letters rotated by 13 (ASCII text by bytes.translate:
-    C, no dict lookup a character)."""
-    if text.isascii():
-        return text.encode("ascii").translate(_ROT13).decode("ascii")
-    return text.translate(_ROT13_TEXT)
+    """`text` with its ASCII letters rotated by 13."""
+    return caesar(text, 13)
 
 
 def rot13_reading(reading: Reading) -> Reading:

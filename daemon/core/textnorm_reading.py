@@ -47,6 +47,12 @@ class Reading:
     _hashes: list[int] | None = field(default=None, repr=False, compare=False)
     _runs: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def is_first(self) -> bool:
+        """A reading of the text as written (or decoded): not one screened
+        first (rot13, backwards, leetspeak, a shift) nor the markup reading."""
+        return not self.screen_first and self.focus is None
+
     def run_hashes(self, n: int) -> list[int]:
         """hash() of each run of n words (hashed_runs), kept: the guard's first
         look at this reading, and the screen of its words in reverse order

@@ -69,7 +69,6 @@ from ..core.textnorm import Reading
 from ..core.textnorm_encoded import caesar_reading
 from ..core.textnorm_reading import SPELLED_CHARS
 from . import leakguard_caesar, leakguard_spelled
-from .leakguard_caesar import is_first
 from .leakguard_index import (
     LONG_MIN_CONTENT_WORDS,
     LONG_RUN_WORDS,
@@ -214,7 +213,7 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
         found = _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n))
         if found:
             spans += _char_spans(mapped_view(k, view), found)
-        if index.shifted and is_first(view):  # the key in a Caesar shift (not 13)
+        if index.shifted and view.is_first:  # the key in a Caesar shift (not 13)
             for back, shifted in leakguard_caesar.shifted_back(view, index):
                 if found := _view_spans(shifted, index, allowed_now):
                     spans += _char_spans(mapped_view(k, view, back), found)

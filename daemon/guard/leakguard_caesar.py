@@ -34,12 +34,7 @@ def shifted_back(view: Reading, index: HumanIndex) -> list[tuple[int, Reading]]:
 
 def may_hold(views: Sequence[Reading], index: HumanIndex) -> bool:
     """Does a first reading have n words in a row of the key in one shift?"""
-    return any(_backs(view, index) for view in views if is_first(view))
-
-
-def is_first(view: Reading) -> bool:
-    """A reading of the text as written (or decoded): not itself a derived one."""
-    return not view.screen_first and view.focus is None
+    return any(_backs(view, index) for view in views if view.is_first)
 
 
 def _backs(view: Reading, index: HumanIndex) -> list[int]:

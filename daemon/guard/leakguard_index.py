@@ -384,11 +384,11 @@ SHIFTED_SCREEN_LETTERS = 4
 def _shifted(vocabulary: set[str]) -> tuple[dict[int, int], frozenset[int]]:
     """HumanIndex.shifted and .shifted_long: each word with a letter, in each
     shift (one C call a shift)."""
-    words = sorted(w for w in vocabulary if not w.isdigit())
+    words = " ".join(sorted(w for w in vocabulary if not w.isdigit()))
     shifted: dict[int, int] = {}
     long: set[int] = set()
     for shift in SHIFTS:
-        for word in caesar(" ".join(words), shift).split():
+        for word in caesar(words, shift).split():
             key = hash(word)
             shifted[key] = shifted.get(key, 0) | 1 << shift
             if len(word) >= SHIFTED_SCREEN_LETTERS:

@@ -56,4 +56,4 @@ def spells(views: Sequence[Reading]) -> bool:
 def reads_spelled(view: Reading) -> bool:
     """The readings the key spelled out is looked for in: the first ones, not
     rot13 or backwards (screened) or the markup reading (the first's words)."""
-    return leakguard_caesar.is_first(view)
+    return view.is_first
