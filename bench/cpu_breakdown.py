@@ -40,7 +40,8 @@ PIECES = [
 ]
 
 
-def probe_run(sets: int, per_step: int, base: Path | None) -> dict[str, Any]:
+def probe_run(sets: int, per_step: int, base: Path | None,
+              pieces: list[tuple[str, str]]) -> dict[str, Any]:
     server = LLMServer(latency=(llm_bench.LATENCY_S, llm_bench.LATENCY_S)).start()
     try:
         with db.workspace("cpuprobe", base=base) as ws:
@@ -48,7 +49,7 @@ def probe_run(sets: int, per_step: int, base: Path | None) -> dict[str, Any]:
             llm_bench.write_config(ws, server.url, llm_bench.UNKNOWN, 128)
             out = ws.root / "probe.jsonl"
             env = {"PYTHONPATH": str(PROBE), "CPU_PROBE_OUT": str(out),
-                   "CPU_PROBE_FUNCS": ",".join(spec for _, spec in PIECES)}
+                   "CPU_PROBE_FUNCS": ",".join(spec for _, spec in pieces)}
             daemon = db.DaemonProc(ws, once=True, extra_env=env).start()
             code = daemon.wait(600)
             done = len(daemon.find("loss.completed"))
@@ -70,7 +71,8 @@ def _thread_group(name: str) -> str:
     return re.sub(r"_\d+$", "_*", name)
 
 
-def rows_of(run: dict[str, Any], bare_ms: float) -> list[db.Row]:
+def rows_of(run: dict[str, Any], bare_ms: float,
+            pieces: list[tuple[str, str]]) -> list[db.Row]:
     jobs, before, after = run["jobs"], run["before"], run["after"]
     per_job = 1000 / jobs
     threads: dict[str, float] = {}
@@ -84,7 +86,7 @@ def rows_of(run: dict[str, Any], bare_ms: float) -> list[db.Row]:
     rows += [db.Row(f"thread {name}", f"{cpu * per_job:.2f} ms")
              for name, cpu in sorted(threads.items(), key=lambda t: -t[1]) if cpu * per_job >= 0.01]
     totals, earlier = after["totals"], before["totals"]
-    for label, spec in PIECES:
+    for label, spec in pieces:
         calls, cpu = (a - b for a, b in zip(totals.get(spec, [0, 0.0]),
                                            earlier.get(spec, [0, 0.0]), strict=True))
         rows.append(db.Row(label, f"{cpu * per_job:.2f} ms ({calls / jobs:.1f} calls)"))
@@ -101,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sets", type=int, default=2, help="sets per step")
     parser.add_argument("--base", type=Path, default=None,
                         help="make the workspace under this folder (bench/scratch_fs.sh)")
+    parser.add_argument("--piece", action="append", default=[], metavar="module:Qual",
+                        help="one more function to time (repeatable), beside the usual pieces")
     args = parser.parse_args(argv)
+    pieces = PIECES + [(f"  {spec}", spec) for spec in args.piece]
     db.say(f"cpu breakdown: {args.sets} sets in steps of {args.step_sets}, load {db.loadavg()}")
-    run = probe_run(args.sets, args.step_sets, args.base)
+    run = probe_run(args.sets, args.step_sets, args.base, pieces)
     bare = llm_bench.bare_run(run["messages"], run["jobs"], 128, llm_bench.UNKNOWN)
     db.print_table(f"CPU a job, per thread and per piece ({run['jobs']} jobs, "
-                   f"steps of {args.step_sets})", rows_of(run, bare["cpu_ms"]))
+                   f"steps of {args.step_sets})", rows_of(run, bare["cpu_ms"], pieces))
     return 0
 
 
