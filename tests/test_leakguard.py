@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from skilltrain.daemon.core import textnorm
+from skilltrain.daemon.core import textnorm, textnorm_encoded
 from skilltrain.daemon.guard import leakguard, leakguard_index, leakguard_spelled
 from skilltrain.daemon.guard.leakguard import REDACTION_MARKER, HumanIndex, find_leaks, redact
 
@@ -760,6 +760,20 @@ def test_markup_invisible_characters_and_letter_variants_do_not_hide_a_quote(
         # The cut covers the disguised quote: nothing of it is found again.
         assert find_leaks(redact(report, leaks), index) == []
         assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
+
+
+def test_episode_names_do_not_make_a_leetspeak_reading() -> None:
+    # Issue 36: every sidecar names two or three episodes (ep01, ep03) beside
+    # "exclamations_per_1k_words", and each had a leetspeak reading made and
+    # read. A name is "ep" and its digits alone: other words still count.
+    def leet(text: str) -> bool:
+        return textnorm_encoded.leet_reading(textnorm.readings(text)[0]) is not None
+
+    sidecar = '{"ep01.txt": "9f", "ep03.txt": "c2", "ep05.txt": "e1", "per_1k_words": 0.1}'
+    assert not leet(sidecar)
+    assert leet(sidecar + " th3 m0n3y 1s g0n3")
+    assert leet("xep01 ep0a 1k")  # not names: each a word mixing letters and digits
+    assert not leet("ep01, ep013, ep4 and 3a")
 
 
 def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:

@@ -134,22 +134,30 @@ def _letters_changed(reading: Reading, change: Callable[[str], str]) -> Reading:
 # Read only in a text with MIN_LEET_WORDS words of letters and such digits,
 # a word's length (a base64 run or a digest mixes them too, at length): a
 # bytes.translate and a count (C) first, a regex over the marks then. A quote
-# of 7 words in it has more, and most prose has none.
+# of 7 words in it has more, and most prose has none. An episode's file name
+# (ep01, ep05) is not counted: a sidecar names two or three, and with its
+# "exclamations_per_1k_words" every sidecar had a leetspeak reading made and
+# read, a fifth of its guard's cost (bench/RESULTS.md, issue 36). No word of
+# a key reads as "ep" and digits, so no quote in leetspeak has one.
 _LEET_DIGITS, _LEET_LETTERS = "013457", "oieast"
 _LEET = str.maketrans(_LEET_DIGITS, _LEET_LETTERS)
 _LEET_MARKS = bytes(ord("d") if chr(c) in _LEET_DIGITS else ord("x") if chr(c).isdigit()
                     else ord("a") if chr(c).isalpha() else ord(" ") for c in range(128)) \
     + b" " * 128
 _LEET_WORD = re.compile(rb"(?<![adx])(?=[ad]{2,12}(?![adx]))(?:a+d|d+a)")
+# The episode names _LEET_WORD counts (their digits all 0 1 3 4 5 7): found
+# from their "ep" (a literal: a fast search), to be taken off its count.
+_EPISODE_NAME = re.compile(rb"ep(?<![A-Za-z0-9]ep)[013457]{1,10}(?![A-Za-z0-9])")
 MIN_LEET_WORDS = 3
 
 
 def leet_reading(reading: Reading) -> Reading | None:
     """`reading` with 0 1 3 4 5 7 read as o i e a s t, at its offsets; None
     when fewer than MIN_LEET_WORDS of its words mix them with letters."""
-    marks = reading.text.encode("utf-8", "surrogatepass").translate(_LEET_MARKS)
-    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS \
-            or len(_LEET_WORD.findall(marks)) < MIN_LEET_WORDS:
+    data = reading.text.encode("utf-8", "surrogatepass")
+    marks = data.translate(_LEET_MARKS)
+    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS or \
+            len(_LEET_WORD.findall(marks)) - len(_EPISODE_NAME.findall(data)) < MIN_LEET_WORDS:
         return None
     return _letters_changed(reading, lambda text: text.translate(_LEET))
 
