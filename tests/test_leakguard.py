@@ -776,6 +776,24 @@ def test_episode_names_do_not_make_a_leetspeak_reading() -> None:
     assert not leet("ep01, ep013, ep4 and 3a")
 
 
+def test_leetspeak_words_are_counted_as_a_reader_counts_them() -> None:
+    # The gate counts kinds of words in its marks; held here to the words of
+    # the text itself: ASCII letters and digits, 2-12 of them, letters and
+    # 0 1 3 4 5 7 both, no other digit.
+    import random
+
+    rng = random.Random(36)
+    alphabet = "abceopz0123456789 .-_\u00e9\n"
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        words = re.findall(r"[A-Za-z0-9]+", text)
+        expected = sum(len(w) <= 12 and not re.search(r"[2689]", w)
+                       and re.search(r"[a-z]", w) is not None
+                       and re.search(r"[013457]", w) is not None for w in words)
+        marks = text.encode("utf-8").translate(textnorm_encoded._LEET_MARKS)
+        assert textnorm_encoded._leet_words(marks) == expected, text
+
+
 def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:
     text = "He grab`bed it, what_in_the_world, Wouldn`t he?"
     views = textnorm.readings(text, offsets=True)

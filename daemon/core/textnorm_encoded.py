@@ -133,20 +133,23 @@ def _letters_changed(reading: Reading, change: Callable[[str], str]) -> Reading:
 # Leetspeak: digits written for the letters they look like ("7h3 m0n3y").
 # Read only in a text with MIN_LEET_WORDS words of letters and such digits,
 # a word's length (a base64 run or a digest mixes them too, at length): a
-# bytes.translate and a count (C) first, a regex over the marks then. A quote
-# of 7 words in it has more, and most prose has none. An episode's file name
-# (ep01, ep05) is not counted: a sidecar names two or three, and with its
+# bytes.translate and a count (C) first; then the words, each kind of them
+# once (every letter is "a" in the marks, so "th3" and "wh0" are one kind,
+# and a text has few: a regex over the marks cost a sidecar ~110 us, this
+# ~45, bench/RESULTS.md, issue 36). A quote of 7 words
+# in it has more, and most prose has none. An episode's file name (ep01,
+# ep05) is not counted: a sidecar names two or three, and with its
 # "exclamations_per_1k_words" every sidecar had a leetspeak reading made and
-# read, a fifth of its guard's cost (bench/RESULTS.md, issue 36). No word of
-# a key reads as "ep" and digits, so no quote in leetspeak has one.
+# read. No word of a key reads as "ep" and digits, so no quote in leetspeak
+# has one.
 _LEET_DIGITS, _LEET_LETTERS = "013457", "oieast"
 _LEET = str.maketrans(_LEET_DIGITS, _LEET_LETTERS)
 _LEET_MARKS = bytes(ord("d") if chr(c) in _LEET_DIGITS else ord("x") if chr(c).isdigit()
                     else ord("a") if chr(c).isalpha() else ord(" ") for c in range(128)) \
     + b" " * 128
-_LEET_WORD = re.compile(rb"(?<![adx])(?=[ad]{2,12}(?![adx]))(?:a+d|d+a)")
-# The episode names _LEET_WORD counts (their digits all 0 1 3 4 5 7): found
-# from their "ep" (a literal: a fast search), to be taken off its count.
+MAX_LEET_WORD = 12
+# The episode names counted as words (their digits all 0 1 3 4 5 7): found
+# from their "ep" (a literal: a fast search), to be taken off the count.
 _EPISODE_NAME = re.compile(rb"ep(?<![A-Za-z0-9]ep)[013457]{1,10}(?![A-Za-z0-9])")
 MIN_LEET_WORDS = 3
 
@@ -156,10 +159,18 @@ def leet_reading(reading: Reading) -> Reading | None:
     when fewer than MIN_LEET_WORDS of its words mix them with letters."""
     data = reading.text.encode("utf-8", "surrogatepass")
     marks = data.translate(_LEET_MARKS)
-    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS or \
-            len(_LEET_WORD.findall(marks)) - len(_EPISODE_NAME.findall(data)) < MIN_LEET_WORDS:
+    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS \
+            or _leet_words(marks) - len(_EPISODE_NAME.findall(data)) < MIN_LEET_WORDS:
         return None
     return _letters_changed(reading, lambda text: text.translate(_LEET))
+
+
+def _leet_words(marks: bytes) -> int:
+    """Words of letters ("a") and 0 1 3 4 5 7 ("d") both, and no other digit ("x")."""
+    words = marks.split()
+    return sum(words.count(kind) for kind in set(words)
+               if len(kind) <= MAX_LEET_WORD and b"x" not in kind
+               and (b"ad" in kind or b"da" in kind))
 
 
 def rot13(text: str) -> str:
