@@ -893,6 +893,28 @@ def test_a_quote_in_an_encoding_is_found_and_its_whole_run_cut(disguise: str) ->
         assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
 
 
+def test_the_logs_check_reads_a_shift_of_any_of_several_works() -> None:
+    # Issue 36: the log's check screens the Caesar shifts by every work's
+    # longer words at once (one set test, not one a work); a line of the last
+    # of several works, shifted, is still found, and a shifted line of none
+    # is not.
+    from tests.corpus import adversarial
+
+    example = Path(__file__).resolve().parent.parent / "data" / "example" / "human"
+    others = [leakguard.index_for(f"other{k}", {
+        1: "\n".join(f"{line} {k}" for line in (example / "ep01.txt").read_text(
+            encoding="utf-8").splitlines())}) for k in range(3)]
+    key = adversarial.key()
+    keys = leakguard.AnswerKeys([*others, leakguard.index_for(adversarial.WORK, key)])
+    lines = adversarial.quotable_lines(key)[:10]
+    for line in lines:
+        assert keys.leaks(adversarial.report_quoting(adversarial.DISGUISES[
+            "Caesar, shifted by 3"](line))), line
+    shifted_prose = adversarial.DISGUISES["Caesar, shifted by 3"](
+        "The model explains the same beat twice, and the second time it is slower.")
+    assert keys.leaks(adversarial.report_quoting(shifted_prose)) == []
+
+
 @pytest.mark.parametrize("disguise", [
     "letter-spaced", "letter-spaced, words three apart", "letters dotted",
     "letters hyphenated, upper", "letters spaced by zero-width spaces"])

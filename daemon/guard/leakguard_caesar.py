@@ -37,6 +37,17 @@ def may_hold(views: Sequence[Reading], index: HumanIndex) -> bool:
     return any(_backs(view, index) for view in views if view.is_first)
 
 
+def may_hold_any(views: Sequence[Reading], indexes: Sequence[HumanIndex],
+                 shifted_long: frozenset[int]) -> bool:
+    """may_hold for any of `indexes`, screened first by `shifted_long`, the
+    union of theirs: one set test a first reading, not one a work (a log
+    line's string against 32 works cost ~100 us: bench/RESULTS.md, issue 36)."""
+    if not any(len(shifted_long.intersection(view.word_hashes())) >= SCREEN_WORDS
+               for view in views if view.is_first):
+        return False
+    return any(may_hold(views, index) for index in indexes)
+
+
 def _backs(view: Reading, index: HumanIndex) -> list[int]:
     shifted, n = index.shifted, index.n
     hashes = view.word_hashes()
