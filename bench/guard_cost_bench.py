@@ -53,10 +53,49 @@ def _inputs() -> dict[str, object]:
                   human_stats={}, model_stats={}, **stats)
     archive = template.render(human_scripts="[omitted]", **fields)
     skeleton = template.render(human_scripts="[omitted]", **{**fields, "model_scripts": slot})
-    sidecar = json.dumps({"claims": {"verdicts": [{"statistic": "dialogue_share"}] * 4},
-                          "inputs": {"human_sha256": "0" * 64}, "tokens_in": 1}, indent=2)
+    sidecar = _sidecar()
     return dict(index=index, model=model, report=report, archive=archive,
                 skeleton=skeleton, slot=slot, block=block, sidecar=sidecar)
+
+
+def _sidecar() -> str:
+    """A sidecar of the loss step's shape: its digests, stamps, the craft
+    distance's parts and a verdict for each statistic (one of data/example's
+    written by `make example`, its numbers made up)."""
+    import hashlib
+
+    names = ["scene_words_mean", "dialogue_share", "speech_words_mean", "scenes_per_episode",
+             "words_per_episode", "scene_words_cv", "parentheticals_per_100_speeches",
+             "question_share", "action_block_words_mean", "speaking_characters",
+             "top_speaker_share", "longest_speech_words", "exclamations_per_1k_words",
+             "transitions_per_episode"]
+
+    def digest(seed: str) -> str:
+        return hashlib.sha256(seed.encode()).hexdigest()
+
+    return json.dumps({
+        "schema": 1, "work": "example", "range": "01-03", "first": 1, "last": 3,
+        "model": "openai/gpt-4o-mini",
+        "inputs": {"human_sha256": digest("h"), "model_sha256": digest("m"),
+                   "template_sha256": digest("t"), "model_id": "openai/gpt-4o-mini"},
+        "model_episodes": {f"ep{n:02d}.txt": digest(str(n)) for n in (1, 2, 3)},
+        "model_stat_sigs": digest("s")[:24], "report_sha256": digest("r"),
+        "finish_reason": "stop", "tokens_in": 6669, "tokens_out": 762, "tokens_cached": 0,
+        "tokens_cache_write": 0, "cost_usd": 0.001457, "attempts": 1, "leaks_redacted": 0,
+        "craft_distance": 0.435851, "craft_distance_version": 1,
+        "craft_distance_parts": {name: round(0.01 * k, 6) for k, name in enumerate(names)},
+        "claims": {"status": "checked", "confirmed": 14, "contradicted": 0,
+                   "not_checkable": 0, "malformed": 0, "contradicted_share": 0.0,
+                   "on_contradiction": "annotate",
+                   "tolerance": {"direction": 0.05, "similar": 0.15},
+                   "verdicts": [{"statistic": name, "claimed": "higher", "verdict": "confirmed",
+                                 "human": 88.157895 + k, "model": 237.375 - k,
+                                 "measured": "higher", "log_ratio": 0.924328}
+                                for k, name in enumerate(names)],
+                   "malformed_lines": []},
+        "prompt_chars": 27140, "prompt_tokens": None, "duration_ms": 4120,
+        "started_at": "2026-12-07T16:39:57.962831+00:00",
+        "finished_at": "2026-12-07T16:40:02.083402+00:00"}, indent=2) + "\n"
 
 
 def _median_us(fn: object, runs: int = RUNS) -> float:
