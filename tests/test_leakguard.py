@@ -769,11 +769,15 @@ def test_episode_names_do_not_make_a_leetspeak_reading() -> None:
     def leet(text: str) -> bool:
         return textnorm_encoded.leet_reading(textnorm.readings(text)[0]) is not None
 
-    sidecar = '{"ep01.txt": "9f", "ep03.txt": "c2", "ep05.txt": "e1", "per_1k_words": 0.1}'
+    sidecar = ('{"ep01.txt": "9f", "ep03.txt": "c2", "ep05.txt": "e9", "per_1k_words": 0.1,'
+               ' "model": "gpt-4o-mini", "model_id": "gpt-4o-mini", "x_1k": 1}')
     assert not leet(sidecar)
     assert leet(sidecar + " th3 m0n3y 1s g0n3")
-    assert leet("xep01 ep0a 1k")  # not names: each a word mixing letters and digits
-    assert not leet("ep01, ep013, ep4 and 3a")
+    assert leet("xep01 ep0a 4nd")  # not names: each a word mixing letters and digits
+    assert not leet("ep01, ep013, ep4 and 3ab")
+    # Two characters alone: five such words, or with longer ones three.
+    assert leet("1 4m s0 s4d t0 g0 h0m3")
+    assert not leet("4o 1k 3d s0 and the rest")
 
 
 def test_leetspeak_words_are_counted_as_a_reader_counts_them() -> None:
@@ -791,7 +795,7 @@ def test_leetspeak_words_are_counted_as_a_reader_counts_them() -> None:
                        and re.search(r"[a-z]", w) is not None
                        and re.search(r"[013457]", w) is not None for w in words)
         marks = text.encode("utf-8").translate(textnorm_encoded._LEET_MARKS)
-        assert textnorm_encoded._leet_words(marks) == expected, text
+        assert sum(textnorm_encoded._leet_words(marks)) == expected, text
 
 
 def test_the_markup_reading_keeps_offsets_and_the_split_reading() -> None:

@@ -131,17 +131,19 @@ def _letters_changed(reading: Reading, change: Callable[[str], str]) -> Reading:
 
 
 # Leetspeak: digits written for the letters they look like ("7h3 m0n3y").
-# Read only in a text with MIN_LEET_WORDS words of letters and such digits,
-# a word's length (a base64 run or a digest mixes them too, at length): a
-# bytes.translate and a count (C) first; then the words, each kind of them
+# Read only in a text with MIN_LEET_WORDS words of three characters or more
+# that mix letters and such digits, a word's length (a base64 run or a digest
+# mixes them too, at length), or MIN_LEET_WORDS_ANY such words of any length:
+# a bytes.translate and a count (C) first; then the words, each kind of them
 # once (every letter is "a" in the marks, so "th3" and "wh0" are one kind,
 # and a text has few: a regex over the marks cost a sidecar ~110 us, this
-# ~45, bench/RESULTS.md, issue 36). A quote of 7 words
-# in it has more, and most prose has none. An episode's file name (ep01,
-# ep05) is not counted: a sidecar names two or three, and with its
-# "exclamations_per_1k_words" every sidecar had a leetspeak reading made and
-# read. No word of a key reads as "ep" and digits, so no quote in leetspeak
-# has one.
+# ~45). A quote of 7 words in it has more, and most prose has none. Our own
+# files have a few: a sidecar names its model twice ("gpt-4o-mini") and
+# "exclamations_per_1k_words" twice, and two or three episodes; so two
+# characters alone ("4o", "1k") are not enough, and an episode's file name
+# (ep01, ep05) is not counted. No word of a key reads as "ep" and digits.
+# (Each sidecar had a leetspeak reading made and read: bench/RESULTS.md,
+# issue 36.)
 _LEET_DIGITS, _LEET_LETTERS = "013457", "oieast"
 _LEET = str.maketrans(_LEET_DIGITS, _LEET_LETTERS)
 _LEET_MARKS = bytes(ord("d") if chr(c) in _LEET_DIGITS else ord("x") if chr(c).isdigit()
@@ -152,25 +154,35 @@ MAX_LEET_WORD = 12
 # from their "ep" (a literal: a fast search), to be taken off the count.
 _EPISODE_NAME = re.compile(rb"ep(?<![A-Za-z0-9]ep)[013457]{1,10}(?![A-Za-z0-9])")
 MIN_LEET_WORDS = 3
+MIN_LEET_WORDS_ANY = 5
 
 
 def leet_reading(reading: Reading) -> Reading | None:
     """`reading` with 0 1 3 4 5 7 read as o i e a s t, at its offsets; None
-    when fewer than MIN_LEET_WORDS of its words mix them with letters."""
+    when too few of its words mix them with letters."""
     data = reading.text.encode("utf-8", "surrogatepass")
     marks = data.translate(_LEET_MARKS)
-    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS \
-            or _leet_words(marks) - len(_EPISODE_NAME.findall(data)) < MIN_LEET_WORDS:
+    if marks.count(b"ad") + marks.count(b"da") < MIN_LEET_WORDS:
+        return None
+    longer, short = _leet_words(marks)
+    names = len(_EPISODE_NAME.findall(data))  # three characters or more each
+    if longer - names < MIN_LEET_WORDS and longer - names + short < MIN_LEET_WORDS_ANY:
         return None
     return _letters_changed(reading, lambda text: text.translate(_LEET))
 
 
-def _leet_words(marks: bytes) -> int:
-    """Words of letters ("a") and 0 1 3 4 5 7 ("d") both, and no other digit ("x")."""
+def _leet_words(marks: bytes) -> tuple[int, int]:
+    """Words of letters ("a") and 0 1 3 4 5 7 ("d") both, and no other digit
+    ("x"): those of three characters or more, and those of two."""
     words = marks.split()
-    return sum(words.count(kind) for kind in set(words)
-               if len(kind) <= MAX_LEET_WORD and b"x" not in kind
-               and (b"ad" in kind or b"da" in kind))
+    longer = short = 0
+    for kind in set(words):
+        if len(kind) <= MAX_LEET_WORD and b"x" not in kind and (b"ad" in kind or b"da" in kind):
+            if len(kind) > 2:
+                longer += words.count(kind)
+            else:
+                short += words.count(kind)
+    return longer, short
 
 
 def rot13(text: str) -> str:
