@@ -871,7 +871,8 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "bytes as 0x, a C array's rows", "hex bytes apart by commas",
                      "octal escapes in a JSON string", "base64 at 16, in a JSON string",
                      "base64 at 16, quoted in Markdown", "Caesar, shifted by 3",
-                     "Caesar, shifted by 1", "Caesar, shifted back by 5", "Morse code",
+                     "Caesar, shifted by 1", "Caesar, shifted back by 5", "Atbash",
+                     "Morse code",
                      "Morse code, words three spaces apart"]
 
 

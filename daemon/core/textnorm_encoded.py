@@ -31,11 +31,12 @@ punctuation): textnorm_base85. Morse code: textnorm_morse.
 Leetspeak (digits for the letters they look like) is one more reading of a
 text that has such digits inside words.
 
-Caesar's other shifts are read by the guard, at the shift its index finds
-(leakguard_caesar), with `caesar_reading`.
+Caesar's other shifts and Atbash are read by the guard, by the cipher its
+index finds (leakguard_caesar), with `substitution_reading`.
 
 Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
-word, a quote half plain and half encoded, Atbash, pig latin.
+word, hex word by word, a quote half plain and half encoded, pig latin,
+vowels left out.
 (Quoted-printable is an escape, decoded in place: textnorm.)
 """
 from __future__ import annotations
@@ -98,29 +99,39 @@ _BASE32 = re.compile(r"[A-Z2-7]+|[a-z2-7]+")
 _BASE32_HEX = re.compile(r"[0-9A-V]+|[0-9a-v]+")
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
 
-# A Caesar shift's tables, for every shift: rot13 is a reading of every text
+# The letters substituted one for one: a Caesar shift (1 to 25) or Atbash
+# (a for z, b for y, ...; its id ATBASH). rot13 is a reading of every text
 # (below); the others are read only when the guard finds a text's words
-# shifted from the key's (leakguard_caesar), at that shift.
+# substituted from the key's (leakguard_caesar), by that cipher.
 SHIFTS = tuple(k for k in range(1, 26) if k != 13)
+ATBASH = 26
+CIPHERS = (*SHIFTS, ATBASH)
 _MOVED = {k: "".join(letters[k:] + letters[:k]
                      for letters in (string.ascii_lowercase, string.ascii_uppercase))
           for k in range(1, 26)}
-_SHIFT_BYTES = {k: bytes.maketrans(string.ascii_letters.encode("ascii"), moved.encode("ascii"))
-                for k, moved in _MOVED.items()}
-_SHIFT_TEXT = {k: str.maketrans(string.ascii_letters, moved) for k, moved in _MOVED.items()}
+_MOVED[ATBASH] = string.ascii_lowercase[::-1] + string.ascii_uppercase[::-1]
+_SUBSTITUTED_BYTES = {k: bytes.maketrans(string.ascii_letters.encode("ascii"),
+                                         moved.encode("ascii")) for k, moved in _MOVED.items()}
+_SUBSTITUTED_TEXT = {k: str.maketrans(string.ascii_letters, moved) for k, moved in _MOVED.items()}
 
 
-def caesar(text: str, shift: int) -> str:
-    """`text` with its ASCII letters moved `shift` (1 to 25) places on (ASCII
-    text by bytes.translate: C, no dict lookup a character)."""
+def substitute(text: str, cipher: int) -> str:
+    """`text` with its ASCII letters moved `cipher` (1 to 25) places on, or in
+    Atbash (ATBASH); ASCII text by bytes.translate: C, no dict lookup a
+    character."""
     if text.isascii():
-        return text.encode("ascii").translate(_SHIFT_BYTES[shift]).decode("ascii")
-    return text.translate(_SHIFT_TEXT[shift])
+        return text.encode("ascii").translate(_SUBSTITUTED_BYTES[cipher]).decode("ascii")
+    return text.translate(_SUBSTITUTED_TEXT[cipher])
 
 
-def caesar_reading(reading: Reading, shift: int) -> Reading:
-    """`reading` with its letters moved `shift` places on, at its offsets."""
-    return _letters_changed(reading, lambda text: caesar(text, shift))
+def undone_by(cipher: int) -> int:
+    """The cipher that undoes `cipher` (a shift back; Atbash is its own)."""
+    return cipher if cipher == ATBASH else 26 - cipher
+
+
+def substitution_reading(reading: Reading, cipher: int) -> Reading:
+    """`reading` with its letters substituted by `cipher`, at its offsets."""
+    return _letters_changed(reading, lambda text: substitute(text, cipher))
 
 
 def _letters_changed(reading: Reading, change: Callable[[str], str]) -> Reading:
@@ -187,7 +198,7 @@ def _leet_words(marks: bytes) -> tuple[int, int]:
 
 def rot13(text: str) -> str:
     """`text` with its ASCII letters rotated by 13."""
-    return caesar(text, 13)
+    return substitute(text, 13)
 
 
 def rot13_reading(reading: Reading) -> Reading:

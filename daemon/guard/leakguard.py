@@ -66,7 +66,7 @@ from typing import Protocol
 
 from ..core import textnorm
 from ..core.textnorm import Reading
-from ..core.textnorm_encoded import caesar_reading
+from ..core.textnorm_encoded import substitution_reading
 from ..core.textnorm_reading import SPELLED_CHARS
 from . import leakguard_caesar, leakguard_spelled
 from .leakguard_index import (
@@ -207,13 +207,13 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
         if view.text is text and back is None:
             return view
         mapped = mapped or textnorm.readings(text, offsets=True)
-        return mapped[k] if back is None else caesar_reading(mapped[k], back)
+        return mapped[k] if back is None else substitution_reading(mapped[k], back)
 
     for k, view in enumerate(views):
         found = _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n))
         if found:
             spans += _char_spans(mapped_view(k, view), found)
-        if index.shifted and view.is_first:  # the key in a Caesar shift (not 13)
+        if index.shifted and view.is_first:  # the key in a Caesar shift (not 13) or Atbash
             for back, shifted in leakguard_caesar.shifted_back(view, index):
                 if found := _view_spans(shifted, index, allowed_now):
                     spans += _char_spans(mapped_view(k, view, back), found)

@@ -1,14 +1,14 @@
 """The key in a Caesar shift other than 13 (rot13 is a reading of every text:
-textnorm): a text is read at the shift that makes n of its words in a row
-the key's.
+textnorm) or in Atbash: a text is read by the cipher that makes n of its
+words in a row the key's.
 
-No cheap test tells a shifted line in prose, and 24 more readings of every
+No cheap test tells a shifted line in prose, and 25 more readings of every
 text would cost more than all the others together. The index keeps each key
-word in every shift (HumanIndex.shifted: the shifted word's hash -> the
-shifts that make it), so a text's first readings are screened by C calls: a
-set test of its longer words first (two of them), then a pass over all of
-them; only a run of n words whose shifts have one in common is read again,
-shifted back by it.
+word in every cipher (HumanIndex.shifted: the word's hash -> the ciphers,
+as bits, that make it), so a text's first readings are screened by C calls:
+a set test of its longer words first (two of them), then a pass over all of
+them; only a run of n words whose ciphers have one in common is read again,
+with that cipher undone.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import operator
 import re
 from collections.abc import Sequence
 
-from ..core.textnorm_encoded import SHIFTS, caesar_reading
+from ..core.textnorm_encoded import CIPHERS, substitution_reading, undone_by
 from ..core.textnorm_reading import Reading
 from .leakguard_index import HumanIndex
 
@@ -27,13 +27,13 @@ SCREEN_WORDS = 2
 
 
 def shifted_back(view: Reading, index: HumanIndex) -> list[tuple[int, Reading]]:
-    """(shift back, the reading shifted back by it) for each shift that makes
-    n words in a row of `view` the key's words; [] for most texts."""
-    return [(back, caesar_reading(view, back)) for back in _backs(view, index)]
+    """(the cipher undoing one, the reading with it undone) for each cipher
+    that makes n words in a row of `view` the key's words; [] for most texts."""
+    return [(back, substitution_reading(view, back)) for back in _backs(view, index)]
 
 
 def may_hold(views: Sequence[Reading], index: HumanIndex) -> bool:
-    """Does a first reading have n words in a row of the key in one shift?"""
+    """Does a first reading have n words in a row of the key in one cipher?"""
     return any(_backs(view, index) for view in views if view.is_first)
 
 
@@ -61,4 +61,4 @@ def _backs(view: Reading, index: HumanIndex) -> list[int]:
         masks = [shifted[h] for h in hashes[run.start():run.end()]]
         for first in range(len(masks) - n + 1):
             common |= functools.reduce(operator.and_, masks[first:first + n])
-    return [26 - shift for shift in SHIFTS if common >> shift & 1]
+    return [undone_by(cipher) for cipher in CIPHERS if common >> cipher & 1]

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
-from ..core.textnorm_encoded import SHIFTS, caesar
+from ..core.textnorm_encoded import CIPHERS, substitute
 from ..core.textnorm_reading import WORD_TRANSFORMS, hashed_runs
 from . import leakguard_spelled
 from .leakguard_spelled import SPELLED_CHARS
@@ -250,9 +250,10 @@ class HumanIndex:
     # shingles that are one hold the key's words in reverse order
     # (leakguard_screen), a test with no second pass over the text.
     backward: frozenset[int] = frozenset()
-    # Each word of the key in each Caesar shift but 13: the hash of the
-    # shifted word -> the shifts (bits) that make it (leakguard_caesar); and
-    # those of SHIFTED_SCREEN_LETTERS letters or more, its first screen.
+    # Each word of the key in each Caesar shift but 13 and in Atbash: the
+    # hash of the word so written -> the ciphers (bits) that make it
+    # (leakguard_caesar); and those of SHIFTED_SCREEN_LETTERS letters or
+    # more, its first screen.
     shifted: Mapping[int, int] = field(default_factory=dict)
     shifted_long: frozenset[int] = frozenset()
 
@@ -383,14 +384,14 @@ SHIFTED_SCREEN_LETTERS = 4
 
 def _shifted(vocabulary: set[str]) -> tuple[dict[int, int], frozenset[int]]:
     """HumanIndex.shifted and .shifted_long: each word with a letter, in each
-    shift (one C call a shift)."""
+    cipher, a Caesar shift or Atbash (one C call a cipher)."""
     words = " ".join(sorted(w for w in vocabulary if not w.isdigit()))
     shifted: dict[int, int] = {}
     long: set[int] = set()
-    for shift in SHIFTS:
-        for word in caesar(words, shift).split():
+    for cipher in CIPHERS:
+        for word in substitute(words, cipher).split():
             key = hash(word)
-            shifted[key] = shifted.get(key, 0) | 1 << shift
+            shifted[key] = shifted.get(key, 0) | 1 << cipher
             if len(word) >= SHIFTED_SCREEN_LETTERS:
                 long.add(key)
     return shifted, frozenset(long)

@@ -201,6 +201,10 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "Caesar, shifted by 3": lambda s: _caesar(s, 3),
     "Caesar, shifted by 1": lambda s: _caesar(s, 1),
     "Caesar, shifted back by 5": lambda s: _caesar(s, -5),
+    # Atbash: a for z, b for y, ... (its own inverse).
+    "Atbash": lambda s: s.translate(str.maketrans(
+        string.ascii_lowercase + string.ascii_uppercase,
+        string.ascii_lowercase[::-1] + string.ascii_uppercase[::-1])),
     # Morse code: letters apart by a space, words by " / " (or three spaces).
     "Morse code": lambda s: " / ".join(" ".join(_MORSE[c] for c in w.lower() if c in _MORSE)
                                        for w in s.split()),
