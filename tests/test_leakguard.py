@@ -734,7 +734,8 @@ INVISIBLE_AND_LATIN_DISGUISES = [
 # Quoted-printable decodes in place, as %XX does: a word of the report next to
 # the quote may join its run, so these are read as the markup ones are.
 QUOTED_PRINTABLE_DISGUISES = ["quoted-printable, spaces quoted",
-                              "quoted-printable, curly apostrophes"]
+                              "quoted-printable, curly apostrophes",
+                              "quoted-printable, every byte", "code points, U+"]
 # Leetspeak leaves the prose around a quote as it is: read as a plain quote.
 LEET_DISGUISES = ["leetspeak", "leetspeak, vowels only"]
 
@@ -872,7 +873,7 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "octal escapes in a JSON string", "base64 at 16, in a JSON string",
                      "base64 at 16, quoted in Markdown", "Caesar, shifted by 3",
                      "Caesar, shifted by 1", "Caesar, shifted back by 5", "Atbash",
-                     "Morse code",
+                     "bytes in binary, nothing between", "Morse code",
                      "Morse code, words three spaces apart"]
 
 

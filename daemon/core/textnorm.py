@@ -68,6 +68,8 @@ from . import textnorm_encoded
 from .textnorm_reading import WORD as _WORD
 from .textnorm_reading import Reading
 from .textnorm_tables import APOSTROPHE as _APOSTROPHE
+from .textnorm_tables import ATTACHING as _ATTACHING
+from .textnorm_tables import IGNORABLE_RANGES as _IGNORABLE_RANGES
 from .textnorm_tables import LETTERS as _LETTERS
 from .textnorm_tables import LOOKALIKES as _LOOKALIKES
 from .textnorm_tables import TYPOGRAPHY as _TYPOGRAPHY
@@ -82,6 +84,10 @@ VERSION = 8
 # Quoted-printable's byte past ASCII: =XX runs that form one UTF-8 character.
 _QP_CHAR = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"
             r"|F[0-7](?:=[89AB][0-9A-F]){3})")
+# After its first "=": six bytes or more quoted in a row. Each pattern below
+# keeps one literal "=" first (sre skips ahead to it; an alternation of
+# patterns each with its own "=" is tried at every character).
+_QP_RUN = r"[0-9A-Fa-f]{2}(?:=[0-9A-Fa-f]{2}){5,}"
 # One pattern per escape family, each with a literal first character: the
 # regex engine then skips ahead to it (a JSON log has only backslashes).
 _ESCAPES = (
@@ -96,12 +102,16 @@ _ESCAPES = (
         r"|[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
         r"|[fF][0-7](?:%[89abAB][0-9a-fA-F]){3})")),
     # Quoted-printable (RFC 2045, capitals): a character past ASCII, a quoted
-    # space, tab or "=", and the soft line break (nothing: the word goes on);
-    # read only in a text that is quoted-printable (_quoted_printable).
-    ("=", re.compile(rf"{_QP_CHAR}|=(?:20|09|3D)|=\r?\n(?=\S)")),
+    # space, tab or "=", the soft line break (nothing: the word goes on), and
+    # a run of bytes each quoted (=54=68=65); read only in a text that is
+    # quoted-printable (_quoted_printable).
+    ("=", re.compile(rf"=(?:{_QP_RUN}|{_QP_CHAR[1:]}|20|09|3D|\r?\n(?=\S))")),
+    # Code points as Unicode writes them (U+0054 U+0068), four or more in a row.
+    ("U", re.compile(r"U\+[0-9A-Fa-f]{4,6}(?:[ ,;]{0,3}U\+[0-9A-Fa-f]{4,6}){3,}")),
 )
-_QP_CHARS = re.compile(_QP_CHAR)
+_QP_CHARS = re.compile(rf"=(?:{_QP_RUN}|{_QP_CHAR[1:]})")
 _QP_SPACE = re.compile(r"=20(?=[A-Za-z])")
+_CODE = re.compile(r"(?<=U\+)[0-9A-Fa-f]+")
 _ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": " "}
 
 
@@ -116,6 +126,8 @@ def _decode(m: re.Match[str]) -> str:
         return out if _shown(out) else " "
     if s[0] == "&":
         out = html.unescape(s)
+    elif s[0] == "U":
+        out = "".join(chr(c) if (c := int(h, 16)) <= 0x10FFFF else " " for h in _CODE.findall(s))
     elif s[1] in "\r\n":  # quoted-printable's soft line break
         return ""
     else:
@@ -127,19 +139,6 @@ def _shown(ch: str) -> bool:
     """Printable, a space, or a format character (&shy; and &#x200B; are the
     soft hyphen and zero-width space: folding reads them inside a word)."""
     return ch.isprintable() or ch == " " or _is_format(ch)
-
-
-# Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt) beyond
-# category Cf: shown as nothing, or as a blank (the Hangul fillers), so a
-# reader sees through them as through a zero-width space.
-_IGNORABLE_RANGES = ((0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F),
-                     (0x2065, 0x2065), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFFA0, 0xFFA0),
-                     (0xFFF0, 0xFFF8), (0xE0000, 0xE0FFF))
-# Those that attach to the character before them (selectors, the grapheme
-# joiner, Khmer's inherent vowels): inside a word in the reading by use.
-_ATTACHING = "".join(chr(c) for lo, hi in ((0x034F, 0x034F), (0x17B4, 0x17B5), (0x180B, 0x180D),
-                                          (0x180F, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
-                     for c in range(lo, hi + 1))
 
 
 def _is_format(ch: str) -> bool:
@@ -283,9 +282,10 @@ def _decode_escapes(text: str, starts: list[int] | None,
 
 
 def _quoted_printable(text: str) -> bool:
-    """A character past ASCII as =XX bytes, or three spaces quoted before a
-    word (=20The)? Not a soft break (base64's padding) or =20 alone (code's
-    "top_k=20", a claim's "mean=20% higher": its "=" and number stay)."""
+    """A character past ASCII as =XX bytes, six bytes quoted in a row, or
+    three spaces quoted before a word (=20The)? Not a soft break (base64's
+    padding) or =20 alone (code's "top_k=20", a claim's "mean=20% higher":
+    its "=" and number stay)."""
     return _QP_CHARS.search(text) is not None or len(_QP_SPACE.findall(text)) >= 3
 
 

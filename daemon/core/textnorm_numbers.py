@@ -1,5 +1,5 @@
 """Text written as a list of its byte values: `87, 104, 97, 116`, `0x57 0x68`,
-`01010111 01101000`, `\\127\\150\\141`.
+`01010111 01101000` (or with nothing between), `\\127\\150\\141`.
 
 A model told not to quote can spell a line's bytes as numbers, in the bases
 code uses. Each form is a run of MIN_BYTES numbers or more, one byte each,
@@ -29,7 +29,7 @@ def _form(number: str, apart: str, base: int) -> tuple[re.Pattern[str], re.Patte
 
 
 _DECIMAL = _form(r"(?:25[0-5]|2[0-4]\d|[01]\d\d|\d\d?)", _APART, 10)  # 87, 104, 097
-_BINARY = _form(r"[01]{8}", _APART, 2)  # 01010111 01101000
+_BINARY = _form(r"[01]{8}", rf"{_APART}?", 2)  # 01010111 01101000, or 0101011101101000
 _HEX = _form(r"0[xX][0-9a-fA-F]{2}", _APART, 16)  # 0x57, 0x68
 # \127\150, or in a JSON string \\127\\150 (the escapes decoded later take "\0"
 # for a character of its own); wrapped over lines.

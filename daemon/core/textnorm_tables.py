@@ -1,6 +1,7 @@
 """Characters textnorm folds to the ASCII an English reader sees in them:
-letters of other scripts that look like Latin ones, typography, and letters
-NFKD does not decompose. Data only; textnorm applies them."""
+letters of other scripts that look like Latin ones, typography, letters
+NFKD does not decompose, and characters shown as nothing. Data only;
+textnorm applies them."""
 from __future__ import annotations
 
 APOSTROPHE = "'"
@@ -28,3 +29,14 @@ TYPOGRAPHY = (
 )
 # Letters that NFKD does not decompose but an English writer types without.
 LETTERS = str.maketrans({"œ": "oe", "æ": "ae", "ø": "o", "ł": "l", "đ": "d", "ı": "i"})
+# Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt) beyond
+# category Cf: shown as nothing, or as a blank (the Hangul fillers), so a
+# reader sees through them as through a zero-width space.
+IGNORABLE_RANGES = ((0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F),
+                    (0x2065, 0x2065), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFFA0, 0xFFA0),
+                    (0xFFF0, 0xFFF8), (0xE0000, 0xE0FFF))
+# Those that attach to the character before them (selectors, the grapheme
+# joiner, Khmer's inherent vowels): inside a word in the reading by use.
+ATTACHING = "".join(chr(c) for lo, hi in ((0x034F, 0x034F), (0x17B4, 0x17B5), (0x180B, 0x180D),
+                                         (0x180F, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
+                    for c in range(lo, hi + 1))

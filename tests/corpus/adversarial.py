@@ -184,6 +184,10 @@ DISGUISES: dict[str, Callable[[str], str]] = {
         s.encode(), quotetabs=True).decode(),
     "quoted-printable, curly apostrophes": lambda s: quopri.encodestring(
         s.replace("'", "\u2019").encode()).decode(),
+    # Every byte quoted (=54=68=65), and code points as Unicode writes them.
+    "quoted-printable, every byte": lambda s: "".join(f"={b:02X}" for b in s.encode()),
+    "code points, U+": lambda s: " ".join(f"U+{ord(c):04X}" for c in s),
+    "bytes in binary, nothing between": lambda s: "".join(f"{b:08b}" for b in s.encode()),
     # A review's holes in those: line breaks between numbers, a JSON string,
     # Markdown around a narrow block.
     "bytes in decimal, 12 a line": lambda s: "\n".join(
