@@ -873,7 +873,9 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "octal escapes in a JSON string", "base64 at 16, in a JSON string",
                      "base64 at 16, quoted in Markdown", "Caesar, shifted by 3",
                      "Caesar, shifted by 1", "Caesar, shifted back by 5", "Atbash",
-                     "bytes in binary, nothing between", "Morse code",
+                     "bytes in binary, nothing between", "base64, each word",
+                     "base64 in groups of 4", "hex, each word",
+                     "hex in groups of 4", "Morse code",
                      "Morse code, words three spaces apart"]
 
 
@@ -897,6 +899,20 @@ def test_a_quote_in_an_encoding_is_found_and_its_whole_run_cut(disguise: str) ->
         assert "The model explains the same beat twice." in cut
         assert find_leaks(cut, index) == []
         assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
+
+
+def test_prose_of_base64s_alphabet_is_not_read_as_encoded_words() -> None:
+    # Issue 36's census: base64 and hex in words (each word alone, or groups)
+    # are read (textnorm_tokens). Prose is of base64's alphabet too: its
+    # CamelCase names, hex-looking words and ids decode to nothing that reads.
+    from skilltrain.daemon.core import textnorm_tokens
+
+    prose = ("The iPhone scene in McDonald's reads like JavaScript: deadbeef cafe "
+             "face bead 1234 abcd ef01 2345 6789 ab12 cd34 ef56 and the McKay "
+             "LaRue DeVito McGregor O'Brien scenes run 4096 8192 words. ") * 3
+    raw = prose.encode("utf-8")
+    assert textnorm_tokens.decoded_runs(prose, raw, textnorm_encoded._decode_run,
+                                        textnorm_encoded._as_text) == []
 
 
 def test_the_logs_check_reads_a_shift_of_any_of_several_works() -> None:

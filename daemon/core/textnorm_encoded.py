@@ -26,7 +26,8 @@ readings' words rotated or reversed, at their offsets, made for every text
 key's words before their runs are hashed.
 
 Base85 and Ascii85 (the base64 module's others, their alphabets with
-punctuation): textnorm_base85. Morse code: textnorm_morse.
+punctuation): textnorm_base85. Morse code: textnorm_morse. Base64 or hex
+in words (each word encoded alone, or the run cut in groups): textnorm_tokens.
 
 Leetspeak (digits for the letters they look like) is one more reading of a
 text that has such digits inside words.
@@ -34,9 +35,8 @@ text that has such digits inside words.
 Caesar's other shifts and Atbash are read by the guard, by the cipher its
 index finds (leakguard_caesar), with `substitution_reading`.
 
-Not read (bench/RESULTS.md): base64 spaced in groups or encoded word by
-word, hex word by word, a quote half plain and half encoded, pig latin,
-vowels left out.
+Not read (bench/RESULTS.md): a quote half plain and half encoded, pig
+latin, vowels left out, rot47, uuencode.
 (Quoted-printable is an escape, decoded in place: textnorm.)
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ import re
 import string
 from collections.abc import Callable
 
-from . import textnorm_base85, textnorm_morse, textnorm_numbers, textnorm_wrapped
+from . import textnorm_base85, textnorm_morse, textnorm_numbers, textnorm_tokens, textnorm_wrapped
 from .textnorm_reading import WORD_TRANSFORMS, DerivedReading, Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
@@ -285,6 +285,7 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
     found += textnorm_wrapped.narrow_blocks(text, raw, MIN_RUN_CHARS, _decode_run)
     found += textnorm_base85.decoded_runs(text, MIN_RUN_CHARS, _as_text)
     found += textnorm_morse.decoded_runs(text, raw)
+    found += textnorm_tokens.decoded_runs(text, raw, _decode_run, _as_text)
     return sorted(set(found))
 
 

@@ -188,6 +188,13 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "quoted-printable, every byte": lambda s: "".join(f"={b:02X}" for b in s.encode()),
     "code points, U+": lambda s: " ".join(f"U+{ord(c):04X}" for c in s),
     "bytes in binary, nothing between": lambda s: "".join(f"{b:08b}" for b in s.encode()),
+    # Base64 or hex in words: each word encoded alone, or the run cut in groups.
+    "base64, each word": lambda s: " ".join(base64.b64encode(w.encode()).decode()
+                                            for w in s.split()),
+    "base64 in groups of 4": lambda s: " ".join(re.findall(".{1,4}", base64.b64encode(
+        s.encode()).decode())),
+    "hex, each word": lambda s: " ".join(w.encode().hex() for w in s.split()),
+    "hex in groups of 4": lambda s: " ".join(re.findall(".{1,4}", s.encode().hex())),
     # A review's holes in those: line breaks between numbers, a JSON string,
     # Markdown around a narrow block.
     "bytes in decimal, 12 a line": lambda s: "\n".join(
