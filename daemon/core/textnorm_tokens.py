@@ -33,12 +33,15 @@ _HEX_WORDS = b"hhhh hhhh"
 # Words apart by spaces, none glued to other text. (Lines of one encoding are
 # textnorm_encoded's blocks.)
 _APART = r"[ \t]+"
-_BASE64_RUN = re.compile(
-    rf"(?<![^\s])[A-Za-z0-9+/]{{2,}}={{0,2}}(?:{_APART}[A-Za-z0-9+/]{{2,}}={{0,2}})"
-    rf"{{{MIN_TOKENS - 1},}}(?![^\s])")
-_HEX_RUN = re.compile(
-    rf"(?<![^\s])(?:[0-9a-fA-F]{{2}})+(?:{_APART}(?:[0-9a-fA-F]{{2}})+){{{MIN_TOKENS - 1},}}"
-    rf"(?![^\s])")
+
+
+def _words_run(word: str) -> re.Pattern[str]:
+    """MIN_TOKENS words or more, each matching `word`, apart by spaces."""
+    return re.compile(rf"(?<![^\s]){word}(?:{_APART}{word}){{{MIN_TOKENS - 1},}}(?![^\s])")
+
+
+_BASE64_RUN = _words_run(r"[A-Za-z0-9+/]{2,}={0,2}")
+_HEX_RUN = _words_run(r"(?:[0-9a-fA-F]{2})+")
 _WORD = re.compile(r"\S+")
 # Looks encoded: a digit, "+", "/" or "=", or a capital after a small letter
 # (base64); a digit (hex: every byte of text has one).
