@@ -4,8 +4,9 @@ groups apart by spaces (`VGhl IG1v bmV5`, `5468 6520 6d6f`).
 
 Neither leaves a run long enough for textnorm_encoded's blocks. A run of
 MIN_TOKENS words of one alphabet or more is read both ways: joined whole
-(groups), and word by word, where the longest stretch of words that each
-decode to text is kept. Each is one more encoded stretch of textnorm_encoded.
+(groups), and word by word (each stretch of MIN_TOKENS words or more that
+decode one by one to words). Each is one more encoded stretch of
+textnorm_encoded.
 
 Prose is words of base64's alphabet too, so C calls say first whether a text
 has such words at all: base64 of text puts a capital after a small letter
@@ -25,8 +26,8 @@ MIN_TOKENS = 4
 MIN_INNER_CAPITALS = 3
 REACH = 2  # plain-looking words tried at each end of a run's encoded ones
 MIN_HEX_PAIRS = 2  # "hhhh hhhh": two hex words of four digits or more, one space apart
-_CLASS = bytes(ord("a") if 97 <= c <= 122 else ord("U") if 65 <= c <= 90
-               else ord("h") if 48 <= c <= 57 else ord(" ") for c in range(256))
+_CASE = bytes(ord("a") if 97 <= c <= 122 else ord("U") if 65 <= c <= 90 else ord(" ")
+              for c in range(256))
 _HEX_CLASS = bytes(ord("h") if chr(c) in "0123456789abcdefABCDEF" else ord(" ") if c == 32
                    else ord("x") for c in range(256))
 _HEX_WORDS = b"hhhh hhhh"
@@ -59,7 +60,7 @@ def decoded_runs(text: str, raw: bytes, decode_run: Callable[[str], str | None],
     base64 or hex words that reads, joined (`decode_run`: textnorm_encoded's
     run decoder) or word by word (`as_text`: whether bytes read as text)."""
     found: list[tuple[int, int, str]] = []
-    if raw.translate(_CLASS).count(b"aU") >= MIN_INNER_CAPITALS:
+    if raw.translate(_CASE).count(b"aU") >= MIN_INNER_CAPITALS:
         found += _runs(text, _BASE64_RUN, _BASE64_LOOK, decode_run,
                        lambda word: _base64_word(word, as_text))
     if raw.translate(_HEX_CLASS).count(_HEX_WORDS) >= MIN_HEX_PAIRS:
