@@ -738,10 +738,13 @@ QUOTED_PRINTABLE_DISGUISES = ["quoted-printable, spaces quoted",
                               "quoted-printable, every byte", "code points, U+"]
 # Leetspeak leaves the prose around a quote as it is: read as a plain quote.
 LEET_DISGUISES = ["leetspeak", "leetspeak, vowels only"]
+# Part plain, part encoded: read decoded in place, the cut takes both parts.
+PART_ENCODED_DISGUISES = ["a third plain, the rest base64", "a third plain, the rest hex"]
 
 
 @pytest.mark.parametrize("disguise", MARKUP_DISGUISES + INVISIBLE_AND_LATIN_DISGUISES
-                         + QUOTED_PRINTABLE_DISGUISES + LEET_DISGUISES)
+                         + QUOTED_PRINTABLE_DISGUISES + LEET_DISGUISES
+                         + PART_ENCODED_DISGUISES)
 def test_markup_invisible_characters_and_letter_variants_do_not_hide_a_quote(
         disguise: str) -> None:
     # Issue 34: grab`bed, gr*abbed, Wouldn`t are one word to a reader; a guard
@@ -1078,12 +1081,17 @@ def test_an_encoded_run_is_read_once_per_run_and_never_across_two() -> None:
                      ("the farm was never his", "to sell at any price"))
     views = textnorm.readings(f"{first} and then {second}", offsets=True)
     # After the first reading, its rot13 and its three backwards readings; each
-    # run's, so read too.
-    encoded = views[5:]
+    # run's, so read too; last, the text with both decoded in place (a quote
+    # part plain, part encoded), each decoded character from its own run.
+    encoded, in_place = views[5:-1], views[-1]
     assert [v.tokens for v in encoded[::5]] == [["the", "farm", "was", "never", "his"],
                                                 ["to", "sell", "at", "any", "price"]]
     assert {(v.starts[0], v.ends[-1]) for v in encoded} == {  # type: ignore[index]
         (0, len(first)), (len(first) + 10, len(first) + 10 + len(second))}
+    assert in_place.tokens == ["the", "farm", "was", "never", "his", "and", "then",
+                               "to", "sell", "at", "any", "price"]
+    spans = in_place.token_spans()
+    assert spans[0] == (0, len(first)) and spans[5] == (len(first) + 1, len(first) + 4)
 
 
 def test_two_base64_lines_are_both_cut_by_one_clean() -> None:

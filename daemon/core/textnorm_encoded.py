@@ -250,13 +250,46 @@ def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[
             _, starts, ends = unescaped_at()  # the same view, with its origins
             found += [(starts[s], ends[e - 1], decoded) for s, e, decoded in in_view]
     out = []
-    for start, end, decoded in sorted(set(found)):
+    stretches = sorted(set(found))
+    for start, end, decoded in stretches:
         for inner in read(decoded, offsets):
             size = len(inner.text)
             out.append(Reading(text, inner.text, [start] * size if offsets else None,
                                [end] * size if offsets else None, inner.tokens,
                                focus=inner.focus, screen_first=inner.screen_first))
+    if stretches:
+        out.append(_decoded_in_place(text, stretches, offsets, read))
     return out
+
+
+def _decoded_in_place(text: str, stretches: list[tuple[int, int, str]], offsets: bool,
+                      read: Callable[[str, bool], list[Reading]]) -> Reading:
+    """The text with its stretches decoded where they stand (the first of any
+    that overlap), read as written: a quote half plain and half encoded has
+    its run across the seam. Each decoded character comes from its stretch."""
+    parts: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    pos = 0
+    for start, end, decoded in stretches:
+        if start < pos:
+            continue
+        parts += [text[pos:start], decoded]
+        if offsets:
+            starts += [*range(pos, start), *[start] * len(decoded)]
+            ends += [*range(pos + 1, start + 1), *[end] * len(decoded)]
+        pos = end
+    parts.append(text[pos:])
+    if offsets:
+        starts += range(pos, len(text))
+        ends += range(pos + 1, len(text) + 1)
+    inner = read("".join(parts), offsets)[0]
+    if not offsets:
+        return Reading(text, inner.text, None, None, inner.tokens, in_place=True)
+    at = inner.starts or range(len(inner.text))
+    upto = inner.ends or range(1, len(inner.text) + 1)
+    return Reading(text, inner.text, [starts[i] for i in at], [ends[i - 1] for i in upto],
+                   inner.tokens, in_place=True)
 
 
 def decoded_runs(text: str) -> list[tuple[int, int, str]]:

@@ -211,7 +211,10 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
 
     for k, view in enumerate(views):
         found = _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n))
-        if found:
+        if found and view.in_place:  # across a seam only, not around a stretch found
+            spans += [s for s in _char_spans(mapped_view(k, view), found)
+                      if not any(s[0] < e and b < s[1] for b, e, *_ in spans)]
+        elif found:
             spans += _char_spans(mapped_view(k, view), found)
         if index.shifted and view.is_first:  # the key in a Caesar shift (not 13) or Atbash
             for back, shifted in leakguard_caesar.shifted_back(view, index):

@@ -65,6 +65,13 @@ _MORSE = dict(zip("abcdefghijklmnopqrstuvwxyz0123456789'-.,?!:", (
     "...- .-- -..- -.-- --.. ----- .---- ..--- ...-- ....- ..... -.... --... ---.. ----. "
     ".----. -....- .-.-.- --..-- ..--.. -.-.-- ---...").split(), strict=True))
 
+def _part_plain(line: str, encode: Callable[[str], str]) -> str:
+    """The line's first third as it is, the rest encoded."""
+    words = line.split()
+    plain = len(words) // 3
+    return " ".join(words[:plain]) + " " + encode(" ".join(words[plain:]))
+
+
 def _caesar(text: str, shift: int) -> str:
     lower, upper = string.ascii_lowercase, string.ascii_uppercase
     k = shift % 26
@@ -188,6 +195,11 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "quoted-printable, every byte": lambda s: "".join(f"={b:02X}" for b in s.encode()),
     "code points, U+": lambda s: " ".join(f"U+{ord(c):04X}" for c in s),
     "bytes in binary, nothing between": lambda s: "".join(f"{b:08b}" for b in s.encode()),
+    # A quote part plain, part encoded: its run crosses the seam. (An encoded
+    # part under 24 characters, 18 bytes, is too short to be read at all.)
+    "a third plain, the rest base64": lambda s: _part_plain(
+        s, lambda rest: base64.b64encode(rest.encode()).decode()),
+    "a third plain, the rest hex": lambda s: _part_plain(s, lambda rest: rest.encode().hex()),
     # Base64 or hex in words: each word encoded alone, or the run cut in groups.
     "base64, each word": lambda s: " ".join(base64.b64encode(w.encode()).decode()
                                             for w in s.split()),
