@@ -35,8 +35,11 @@ text that has such digits inside words.
 Caesar's other shifts and Atbash are read by the guard, by the cipher its
 index finds (leakguard_caesar), with `substitution_reading`.
 
-Not read (bench/RESULTS.md): a quote half plain and half encoded, pig
-latin, vowels left out, rot47, uuencode.
+A quote part plain, part encoded: one more reading, the text with its
+stretches decoded in place (`_decoded_in_place`).
+
+Not read (bench/RESULTS.md): pig latin, vowels left out, rot47, uuencode,
+an encoded part under MIN_RUN_CHARS.
 (Quoted-printable is an escape, decoded in place: textnorm.)
 """
 from __future__ import annotations
