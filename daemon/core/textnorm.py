@@ -325,7 +325,7 @@ def readings(text: str, *, offsets: bool = False,
         out += textnorm_encoded.encoded_readings(
             text, offsets, lambda inner, at: readings(
                 inner, offsets=at, encoded_levels=encoded_levels - 1),
-            unescaped, lambda: _unescaped(text))
+            lambda inner, at: _readings(inner, at)[0], unescaped, lambda: _unescaped(text))
     return out
 
 

@@ -237,12 +237,15 @@ WORD_TRANSFORMS.update(rot13=lambda words: rot13(" ".join(words)).split(),
 
 
 def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[Reading]],
-                     unescaped: str, unescaped_at: Callable[[], tuple[str, list[int], list[int]]]
+                     read_first: Callable[[str, bool], Reading], unescaped: str,
+                     unescaped_at: Callable[[], tuple[str, list[int], list[int]]]
                      ) -> list[Reading]:
     """The readings (`read`: textnorm's, one level down) of what each encoded
     stretch of `text` decodes to, as readings of `text`: every character of
     them comes from the whole stretch. One stretch at a time: no quote is made
-    of the end of one and the start of the next. `unescaped`: the text with its
+    of the end of one and the start of the next; the text with them all
+    decoded in place is one more reading (`read_first`: textnorm's first
+    reading of a text, the only one it needs). `unescaped`: the text with its
     escapes decoded (a base64 block in a JSON string with \\/ in it), and
     `unescaped_at()` where each of its characters came from, asked only when
     that view holds a stretch the text does not. [] for most texts."""
@@ -261,12 +264,12 @@ def encoded_readings(text: str, offsets: bool, read: Callable[[str, bool], list[
                                [end] * size if offsets else None, inner.tokens,
                                focus=inner.focus, screen_first=inner.screen_first))
     if stretches:
-        out.append(_decoded_in_place(text, stretches, offsets, read))
+        out.append(_decoded_in_place(text, stretches, offsets, read_first))
     return out
 
 
 def _decoded_in_place(text: str, stretches: list[tuple[int, int, str]], offsets: bool,
-                      read: Callable[[str, bool], list[Reading]]) -> Reading:
+                      read_first: Callable[[str, bool], Reading]) -> Reading:
     """The text with its stretches decoded where they stand (the first of any
     that overlap), read as written: a quote half plain and half encoded has
     its run across the seam. Each decoded character comes from its stretch."""
@@ -286,7 +289,7 @@ def _decoded_in_place(text: str, stretches: list[tuple[int, int, str]], offsets:
     if offsets:
         starts += range(pos, len(text))
         ends += range(pos + 1, len(text) + 1)
-    inner = read("".join(parts), offsets)[0]
+    inner = read_first("".join(parts), offsets)
     if not offsets:
         return Reading(text, inner.text, None, None, inner.tokens, in_place=True)
     at = inner.starts or range(len(inner.text))
