@@ -210,16 +210,17 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
         return mapped[k] if back is None else substitution_reading(mapped[k], back)
 
     for k, view in enumerate(views):
-        found = _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n))
-        if found and view.in_place:  # across a seam only, not around a stretch found
-            spans += [s for s in _char_spans(mapped_view(k, view), found)
-                      if not any(s[0] < e and b < s[1] for b, e, *_ in spans)]
-        elif found:
-            spans += _char_spans(mapped_view(k, view), found)
+        here: list[tuple[int, int, int, int]] = []
+        if found := _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n)):
+            here += _char_spans(mapped_view(k, view), found)
         if index.shifted and view.is_first:  # the key in a Caesar shift (not 13) or Atbash
             for back, shifted in leakguard_caesar.shifted_back(view, index):
                 if found := _view_spans(shifted, index, allowed_now):
-                    spans += _char_spans(mapped_view(k, view, back), found)
+                    here += _char_spans(mapped_view(k, view, back), found)
+        if view.in_place:  # across a seam only, not around a stretch found
+            here = [span for span in here
+                    if not any(span[0] < end and start < span[1] for start, end, *_ in spans)]
+        spans += here
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
             for s, e, ep, w in _merge_spans(spans)]
 
