@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -879,7 +880,7 @@ ENCODED_DISGUISES = ["base64", "base64 URL-safe, unpadded", "base64 wrapped at 7
                      "bytes in binary, nothing between", "base64, each word",
                      "base64 in groups of 4", "hex, each word",
                      "hex in groups of 4", "Morse code",
-                     "Morse code, words three spaces apart"]
+                     "Morse code, words three spaces apart", "ROT47", "uuencode"]
 
 
 @pytest.mark.parametrize("disguise", ENCODED_DISGUISES)
@@ -916,6 +917,53 @@ def test_prose_of_base64s_alphabet_is_not_read_as_encoded_words() -> None:
     raw = prose.encode("utf-8")
     assert textnorm_tokens.decoded_runs(prose, raw, textnorm_encoded._decode_run,
                                         textnorm_encoded._as_text) == []
+
+
+def test_prose_json_and_headings_are_not_read_as_rot47_or_uuencode() -> None:
+    # Issue 36: ROT47 and uuencode are read (textnorm_rot47, textnorm_uu). What
+    # we write and read most is not: screenplays (headings and cues in
+    # capitals), reports, a sidecar's numbers and times of day.
+    from skilltrain.daemon.core import textnorm_rot47, textnorm_uu
+    from tests.corpus import adversarial
+
+    root = Path(__file__).resolve().parent.parent
+    texts = [p.read_text(encoding="utf-8") for p in sorted(
+        (root / "data" / "example").glob("*/ep*.txt"))]
+    texts += [(root / "tests" / "corpus" / name).read_text(encoding="utf-8")
+              for name in ("brick_and_steel.txt", "reports.md")]
+    texts += list(adversarial.key().values())
+    texts.append(json.dumps({"started_at": "2026-12-07T16:39:57.962831+00:00",
+                             "finished_at": "2026-12-07T23:59:59.999999+00:00",
+                             "verdicts": [{"human": 88.157895, "model": 237.375}] * 9,
+                             "heading": "INT. BURNHAM HOUSE - UPSTAIRS HALLWAY - NIGHT"},
+                            indent=2))
+    for text in texts:
+        raw = text.encode("utf-8")
+        assert textnorm_rot47.decoded_runs(text, raw, textnorm_encoded.MIN_RUN_CHARS) == []
+        assert textnorm_uu.decoded_runs(text, raw, textnorm_encoded.MIN_RUN_CHARS,
+                                        textnorm_encoded._as_text) == []
+
+
+def test_rot47_and_uuencode_are_read_over_lines_and_behind_quote_marks() -> None:
+    # A ROT47 quote wrapped over lines is one stretch (ROT47 keeps the breaks);
+    # uuencoded lines quoted in Markdown ("> ") are one block.
+    import binascii
+
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    line = max(adversarial.quotable_lines(key), key=len)
+    wrapped = adversarial.DISGUISES["line-wrapped"](adversarial.DISGUISES["ROT47"](line))
+    data = line.encode()
+    quoted = "\n".join("> " + binascii.b2a_uu(data[i:i + 45]).decode().rstrip()
+                       for i in range(0, len(data), 45))
+    assert len(data) > 90  # three lines
+    for encoded in (wrapped, quoted):
+        report = adversarial.report_quoting(encoded)
+        leaks = find_leaks(report, index)
+        assert len(leaks) == 1, encoded
+        assert find_leaks(redact(report, leaks), index) == []
 
 
 def test_the_logs_check_reads_a_shift_of_any_of_several_works() -> None:

@@ -79,7 +79,7 @@ DECODE_LEVELS = 4
 ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 8
+VERSION = 9
 
 # Quoted-printable's byte past ASCII: =XX runs that form one UTF-8 character.
 _QP_CHAR = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"

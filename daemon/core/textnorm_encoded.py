@@ -25,22 +25,16 @@ readings' words rotated or reversed, at their offsets, made for every text
 (no cheap test tells one such line in English prose) and screened by the
 key's words before their runs are hashed.
 
-Base85 and Ascii85 (the base64 module's others, their alphabets with
-punctuation): textnorm_base85. Morse code: textnorm_morse. Base64 or hex
-in words (each word encoded alone, or the run cut in groups): textnorm_tokens.
-
-Leetspeak (digits for the letters they look like) is one more reading of a
-text that has such digits inside words.
-
-Caesar's other shifts and Atbash are read by the guard, by the cipher its
-index finds (leakguard_caesar), with `substitution_reading`.
-
-A quote part plain, part encoded: one more reading, the text with its
-stretches decoded in place (`_decoded_in_place`).
-
-Not read (bench/RESULTS.md): pig latin, vowels left out, rot47, uuencode,
-an encoded part under MIN_RUN_CHARS.
-(Quoted-printable is an escape, decoded in place: textnorm.)
+Base85 and Ascii85: textnorm_base85. Morse code: textnorm_morse. Base64 or
+hex in words (each word alone, or the run cut in groups): textnorm_tokens.
+ROT47: textnorm_rot47. uuencode: textnorm_uu. Leetspeak (digits for the
+letters they look like) is one more reading of a text with such digits
+inside words. Caesar's other shifts and Atbash are read by the guard, by the
+cipher its index finds (leakguard_caesar), with `substitution_reading`. A
+quote part plain, part encoded: one more reading, the text with its
+stretches decoded in place (`_decoded_in_place`). Quoted-printable is an
+escape, decoded in place (textnorm). Not read (bench/RESULTS.md): pig
+latin, vowels left out, an encoded part under MIN_RUN_CHARS.
 """
 from __future__ import annotations
 
@@ -51,7 +45,15 @@ import re
 import string
 from collections.abc import Callable
 
-from . import textnorm_base85, textnorm_morse, textnorm_numbers, textnorm_tokens, textnorm_wrapped
+from . import (
+    textnorm_base85,
+    textnorm_morse,
+    textnorm_numbers,
+    textnorm_rot47,
+    textnorm_tokens,
+    textnorm_uu,
+    textnorm_wrapped,
+)
 from .textnorm_reading import WORD_TRANSFORMS, DerivedReading, Reading
 
 # 24 base64 characters are 18 bytes: fewer than any quote the guard acts on
@@ -325,6 +327,8 @@ def decoded_runs(text: str) -> list[tuple[int, int, str]]:
     found += textnorm_base85.decoded_runs(text, MIN_RUN_CHARS, _as_text)
     found += textnorm_morse.decoded_runs(text, raw)
     found += textnorm_tokens.decoded_runs(text, raw, _decode_run, _as_text)
+    found += textnorm_rot47.decoded_runs(text, raw, MIN_RUN_CHARS)
+    found += textnorm_uu.decoded_runs(text, raw, MIN_RUN_CHARS, _as_text)
     return sorted(set(found))
 
 

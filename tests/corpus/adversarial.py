@@ -6,6 +6,7 @@ Stdlib only, so bench/leakguard_bench.py uses the same attacks as the tests.
 from __future__ import annotations
 
 import base64
+import binascii
 import codecs
 import hashlib
 import json
@@ -70,6 +71,10 @@ def _part_plain(line: str, encode: Callable[[str], str]) -> str:
     words = line.split()
     plain = len(words) // 3
     return " ".join(words[:plain]) + " " + encode(" ".join(words[plain:]))
+
+
+_PRINTABLE = "".join(map(chr, range(33, 127)))
+_ROT47 = str.maketrans(_PRINTABLE, _PRINTABLE[47:] + _PRINTABLE[:47])
 
 
 def _caesar(text: str, shift: int) -> str:
@@ -236,6 +241,17 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     # Digits for the letters they look like (a o e i s t).
     "leetspeak": lambda s: s.translate(str.maketrans("aAoOeEiIsStT", "440033115577")),
     "leetspeak, vowels only": lambda s: s.translate(str.maketrans("aAoOeEiI", "44003311")),
+    # ROT47: printable ASCII moved 47 places (letters become digits and punctuation).
+    "ROT47": lambda s: s.translate(_ROT47),
+    # uuencode as the tool writes it (begin, lines of 45 bytes, end), and its
+    # lines alone with their trailing blanks cut, backquotes for blanks.
+    "uuencode": lambda s: codecs.encode(s.encode(), "uu").decode(),
+    "uuencode lines, blanks cut": lambda s: "\n".join(
+        binascii.b2a_uu(s.encode()[i:i + 45]).decode().rstrip()
+        for i in range(0, len(s.encode()), 45)),
+    "uuencode lines, backquotes": lambda s: "\n".join(
+        binascii.b2a_uu(s.encode()[i:i + 45], backtick=True).decode().rstrip()
+        for i in range(0, len(s.encode()), 45)),
 }
 
 # The line spelled out: its words are gone, its letters stay (leakguard_spelled).
