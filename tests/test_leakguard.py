@@ -946,7 +946,7 @@ def test_prose_json_and_headings_are_not_read_as_rot47_or_uuencode() -> None:
 
 def test_rot47_and_uuencode_are_read_over_lines_and_behind_quote_marks() -> None:
     # A ROT47 quote wrapped over lines is one stretch (ROT47 keeps the breaks);
-    # uuencoded lines quoted in Markdown ("> ") are one block.
+    # uuencoded lines quoted in Markdown ("> "), in curly quotes, are one block.
     import binascii
 
     from tests.corpus import adversarial
@@ -956,8 +956,8 @@ def test_rot47_and_uuencode_are_read_over_lines_and_behind_quote_marks() -> None
     line = max(adversarial.quotable_lines(key), key=len)
     wrapped = adversarial.DISGUISES["line-wrapped"](adversarial.DISGUISES["ROT47"](line))
     data = line.encode()
-    quoted = "\n".join("> " + binascii.b2a_uu(data[i:i + 45]).decode().rstrip()
-                       for i in range(0, len(data), 45))
+    quoted = "\u201c" + "\n".join("> " + binascii.b2a_uu(data[i:i + 45]).decode().rstrip()
+                                  for i in range(0, len(data), 45)) + "\u201d"
     assert len(data) > 90  # three lines
     for encoded in (wrapped, quoted):
         report = adversarial.report_quoting(encoded)

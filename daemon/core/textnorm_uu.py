@@ -13,6 +13,7 @@ its first character: a bytes.translate and a find (C) say so first.
 from __future__ import annotations
 
 import binascii
+import codecs
 import re
 from collections.abc import Callable
 
@@ -23,6 +24,25 @@ _LINE = re.compile(r"[ -`]+")
 _BREAK = re.compile(r"`*(?:\\?\r?\n|\\n| )")  # after the padding
 _SKIPPED = 3  # characters before a line that are no part of it: "> ", ": "
 _SLACK = 3  # characters missing (blanks cut) or added (an escaped line break's backslash)
+# A line of text's bytes: nearly all printable ASCII (a time of day or a heading
+# that only looks like a line is not), told in C before the caller's test.
+_SHOWN = bytes(range(32, 127)) + b"\t\n\r"
+MIN_SHOWN_SHARE = 0.75
+# A uuencoded line of text is a third capitals (a letter's last six bits are
+# one; the corpus key's lines a sixth at least); a time of day and the JSON
+# around it a sixteenth.
+_CAPITALS = bytes(ord("U") if 65 <= c <= 90 else ord("x") for c in range(256))
+MIN_CAPITALS_SHARE = 0.1
+
+
+def _as_delete(error: UnicodeError) -> tuple[str, int]:
+    """A character past ASCII as one DEL: in no line, and one byte a character."""
+    assert isinstance(error, UnicodeEncodeError)
+    return "\x7f" * (error.end - error.start), error.end
+
+
+_ONE_BYTE = "skilltrain-uu-delete"
+codecs.register_error(_ONE_BYTE, _as_delete)
 
 
 def decoded_runs(text: str, raw: bytes, min_chars: int,
@@ -33,14 +53,17 @@ def decoded_runs(text: str, raw: bytes, min_chars: int,
     long_run = b"u" * min_chars
     if long_run not in marked:
         return []
-    if len(marked) == len(text):  # ASCII: the marks' offsets are the text's
-        runs, at = [], marked.find(long_run)
-        while at >= 0:
-            end = marked.find(b"x", at)
-            runs.append((at, len(text) if end < 0 else end))
-            at = marked.find(long_run, runs[-1][1])
-    else:
-        runs = [m.span() for m in re.finditer(rf"[ -`]{{{min_chars},}}", text)]
+    if len(raw) != len(text):  # one byte a character, so the marks' offsets are the text's
+        raw = text.encode("ascii", _ONE_BYTE)
+        marked = raw.translate(_MARKS)
+    capitals = raw.translate(_CAPITALS)
+    runs, at = [], marked.find(long_run)
+    while at >= 0:
+        end = marked.find(b"x", at)
+        end = len(text) if end < 0 else end
+        if capitals.count(b"U", at, end) >= MIN_CAPITALS_SHARE * (end - at):
+            runs.append((at, end))
+        at = marked.find(long_run, end)
     found: list[tuple[int, int, str]] = []
     done = 0
     for run_start, run_end in runs:
@@ -76,7 +99,9 @@ def _line(text: str, start: int, end: int) -> tuple[int, int, bytes] | None:
             continue
         line = text[at:min(at + need, end)]
         try:  # a character cut reads as a blank, as uudecode reads it; none is in its span
-            return at, at + len(line.rstrip(" ")), binascii.a2b_uu(line)
+            data = binascii.a2b_uu(line)
         except binascii.Error:
             continue
+        if len(data.translate(None, _SHOWN)) <= (1 - MIN_SHOWN_SHARE) * len(data):
+            return at, at + len(line.rstrip(" ")), data
     return None
