@@ -129,6 +129,9 @@ class BatchServer(LoopbackServer):
     def __init__(self, *, responder: Responder = default_responder) -> None:
         self.responder = responder
         self.plan = BatchPlan()
+        # The plans of the next batches, one each in order, before `plan`: a test
+        # that changed `plan` after an event raced the daemon's next create.
+        self.next_plans: list[BatchPlan] = []
         self._lock = threading.Lock()
         self.files: dict[str, bytes] = {}
         self.batches: dict[str, _Batch] = {}
@@ -176,7 +179,8 @@ class BatchServer(LoopbackServer):
             batch = _Batch(id=f"batch_{uuid.uuid4().hex[:20]}",
                            input_file_id=str(body["input_file_id"]),
                            metadata=dict(body.get("metadata") or {}), created_at=time.monotonic(),
-                           plan=self.plan, lines=lines)
+                           plan=self.next_plans.pop(0) if self.next_plans else self.plan,
+                           lines=lines)
             self.batches[batch.id] = batch
             self.creates += 1
             return batch.as_json()

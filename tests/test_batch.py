@@ -133,11 +133,10 @@ def test_a_failed_item_is_retried_and_its_error_text_is_guarded(
 def test_an_expired_batch_sends_its_unanswered_sets_again(
         tmp_path: Path, server: BatchServer, start: Any) -> None:
     ws = workspace(tmp_path, server)
-    server.plan = BatchPlan(end="expired", answered=1)
+    server.next_plans = [BatchPlan(end="expired", answered=1)]  # the first batch only
     ws.write_step("r1", 0, 0, success=True)
     start(ws)
     wait_until(lambda: ws.events("batch.expired"), 60, message="batch.expired")
-    server.plan = BatchPlan()
     wait_until(all_reported(ws), 60, message="every set reported")
     assert ws.events("batch.expired")[0]["unanswered"] == 2
     assert server.creates == 2 and len(server.billed) == 3  # each set paid once
