@@ -732,11 +732,13 @@ INVISIBLE_AND_LATIN_DISGUISES = [
     "Latin letters with hooks"]
 
 
-# Quoted-printable decodes in place, as %XX does: a word of the report next to
-# the quote may join its run, so these are read as the markup ones are.
+# Quoted-printable, CSS's and %u escapes decode in place, as %XX does: a word
+# of the report next to the quote may join its run, so these are read as the
+# markup ones are.
 QUOTED_PRINTABLE_DISGUISES = ["quoted-printable, spaces quoted",
                               "quoted-printable, curly apostrophes",
-                              "quoted-printable, every byte", "code points, U+"]
+                              "quoted-printable, every byte", "code points, U+",
+                              "CSS escapes", "%u escapes"]
 # Leetspeak leaves the prose around a quote as it is: read as a plain quote.
 LEET_DISGUISES = ["leetspeak", "leetspeak, vowels only"]
 # Part plain, part encoded: read decoded in place, the cut takes both parts.

@@ -59,12 +59,11 @@ call per step: bytes.translate and str.split, no Python loop per word.
 
 from __future__ import annotations
 
-import html
 import re
 import unicodedata
 from collections.abc import Callable
 
-from . import textnorm_encoded
+from . import textnorm_encoded, textnorm_escapes
 from .textnorm_reading import WORD as _WORD
 from .textnorm_reading import Reading
 from .textnorm_tables import APOSTROPHE as _APOSTROPHE
@@ -73,6 +72,7 @@ from .textnorm_tables import IGNORABLE_RANGES as _IGNORABLE_RANGES
 from .textnorm_tables import LETTERS as _LETTERS
 from .textnorm_tables import LOOKALIKES as _LOOKALIKES
 from .textnorm_tables import TYPOGRAPHY as _TYPOGRAPHY
+from .textnorm_tables import is_format
 
 DECODE_LEVELS = 4
 # base64 of base64 of the key is read; a third encoding is not looked into.
@@ -80,73 +80,6 @@ ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
 VERSION = 9
-
-# Quoted-printable's byte past ASCII: =XX runs that form one UTF-8 character.
-_QP_CHAR = (r"=(?:[CD][0-9A-F]=[89AB][0-9A-F]|E[0-9A-F](?:=[89AB][0-9A-F]){2}"
-            r"|F[0-7](?:=[89AB][0-9A-F]){3})")
-# After its first "=": six bytes or more quoted in a row. Each pattern below
-# keeps one literal "=" first (sre skips ahead to it; an alternation of
-# patterns each with its own "=" is tried at every character).
-_QP_RUN = r"[0-9A-Fa-f]{2}(?:=[0-9A-Fa-f]{2}){5,}"
-# One pattern per escape family, each with a literal first character: the
-# regex engine then skips ahead to it (a JSON log has only backslashes).
-_ESCAPES = (
-    ("\\", re.compile(
-        r"\\(?:u\{[0-9a-fA-F]{1,6}\}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|x[0-9a-fA-F]{2}"
-        r"|[nrtbfv0\"'\\/`])")),
-    ("&", re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")),
-    # %XX runs that form one UTF-8 character (1 to 4 bytes)
-    ("%", re.compile(
-        r"%(?:[0-7][0-9a-fA-F]"
-        r"|[cdCD][0-9a-fA-F]%[89abAB][0-9a-fA-F]"
-        r"|[eE][0-9a-fA-F](?:%[89abAB][0-9a-fA-F]){2}"
-        r"|[fF][0-7](?:%[89abAB][0-9a-fA-F]){3})")),
-    # Quoted-printable (RFC 2045, capitals): a character past ASCII, a quoted
-    # space, tab or "=", the soft line break (nothing: the word goes on), and
-    # a run of bytes each quoted (=54=68=65); read only in a text that is
-    # quoted-printable (_quoted_printable).
-    ("=", re.compile(rf"=(?:{_QP_RUN}|{_QP_CHAR[1:]}|20|09|3D|\r?\n(?=\S))")),
-    # Code points as Unicode writes them (U+0054 U+0068), four or more in a row.
-    ("U", re.compile(r"U\+[0-9A-Fa-f]{4,6}(?:[ ,;]{0,3}U\+[0-9A-Fa-f]{4,6}){3,}")),
-)
-_QP_CHARS = re.compile(rf"=(?:{_QP_RUN}|{_QP_CHAR[1:]})")
-_QP_SPACE = re.compile(r"=20(?=[A-Za-z])")
-_CODE = re.compile(r"(?<=U\+)[0-9A-Fa-f]+")
-_ONE_LETTER = {"n": " ", "r": " ", "t": " ", "b": " ", "f": " ", "v": " ", "0": " "}
-
-
-def _decode(m: re.Match[str]) -> str:
-    """One escape, decoded; control characters and broken ones become a space."""
-    s = m.group()
-    if s[0] == "\\":  # the common case in a JSON log: one call, no loop
-        if s[1] not in "uUx":
-            return _ONE_LETTER.get(s[1], s[1])
-        code = int(s[2:].strip("{}"), 16)
-        out = chr(code) if code <= 0x10FFFF else " "
-        return out if _shown(out) else " "
-    if s[0] == "&":
-        out = html.unescape(s)
-    elif s[0] == "U":
-        out = "".join(chr(c) if (c := int(h, 16)) <= 0x10FFFF else " " for h in _CODE.findall(s))
-    elif s[1] in "\r\n":  # quoted-printable's soft line break
-        return ""
-    else:
-        out = bytes.fromhex(s.replace(s[0], "")).decode("utf-8", "replace")
-    return "".join(c if _shown(c) else " " for c in out) or " "
-
-
-def _shown(ch: str) -> bool:
-    """Printable, a space, or a format character (&shy; and &#x200B; are the
-    soft hyphen and zero-width space: folding reads them inside a word)."""
-    return ch.isprintable() or ch == " " or _is_format(ch)
-
-
-def _is_format(ch: str) -> bool:
-    """A format character, or another one Unicode says to show as nothing."""
-    code = ord(ch)
-    return unicodedata.category(ch) == "Cf" or any(lo <= code <= hi
-                                                   for lo, hi in _IGNORABLE_RANGES)
-
 
 # A Latin letter by its Unicode name: "LATIN LETTER SMALL CAPITAL H",
 # "LATIN SMALL LETTER D WITH HOOK", "LATIN SMALL LETTER SCRIPT G". Turned and
@@ -161,7 +94,7 @@ _LATIN_NAMED = {"LATIN SMALL LETTER ALPHA": "a", "LATIN CAPITAL LETTER ALPHA": "
 
 def _fold_char(ch: str, format_as: str) -> str:
     """One non-ASCII character in its normalised form (any length, maybe empty)."""
-    if _is_format(ch):
+    if is_format(ch):
         return format_as
     if ch in _TYPOGRAPHY:
         return _TYPOGRAPHY[ch]
@@ -269,24 +202,16 @@ def _decode_escapes(text: str, starts: list[int] | None,
                     ends: list[int] | None) -> tuple[str, list[int] | None, list[int] | None]:
     for _ in range(DECODE_LEVELS):
         before = text
-        for first, pattern in _ESCAPES:
-            if first not in text or (first == "=" and not _quoted_printable(text)):
+        for first, pattern in textnorm_escapes.FAMILIES:
+            if first not in text or (first == "=" and not textnorm_escapes.quoted_printable(text)):
                 continue
             if starts is None or ends is None:
-                text = pattern.sub(_decode, text)
+                text = pattern.sub(textnorm_escapes.decode, text)
             else:
-                text, starts, ends = _sub(pattern, _decode, text, starts, ends)
+                text, starts, ends = _sub(pattern, textnorm_escapes.decode, text, starts, ends)
         if text == before:
             break
     return text, starts, ends
-
-
-def _quoted_printable(text: str) -> bool:
-    """A character past ASCII as =XX bytes, six bytes quoted in a row, or
-    three spaces quoted before a word (=20The)? Not a soft break (base64's
-    padding) or =20 alone (code's "top_k=20", a claim's "mean=20% higher":
-    its "=" and number stay)."""
-    return _QP_CHARS.search(text) is not None or len(_QP_SPACE.findall(text)) >= 3
 
 
 def decode_escapes(text: str) -> str:

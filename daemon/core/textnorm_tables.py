@@ -1,8 +1,11 @@
 """Characters textnorm folds to the ASCII an English reader sees in them:
 letters of other scripts that look like Latin ones, typography, letters
-NFKD does not decompose, and characters shown as nothing. Data only;
-textnorm applies them."""
+NFKD does not decompose, and characters shown as nothing. Data, and the
+one test on it that textnorm and its escapes share (is_format); textnorm
+applies them."""
 from __future__ import annotations
+
+import unicodedata
 
 APOSTROPHE = "'"
 # Letters that look like Latin ones, mapped to them (lower case: folded after).
@@ -40,3 +43,10 @@ IGNORABLE_RANGES = ((0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180
 ATTACHING = "".join(chr(c) for lo, hi in ((0x034F, 0x034F), (0x17B4, 0x17B5), (0x180B, 0x180D),
                                          (0x180F, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
                     for c in range(lo, hi + 1))
+
+
+def is_format(ch: str) -> bool:
+    """A format character, or another one Unicode says to show as nothing."""
+    code = ord(ch)
+    return unicodedata.category(ch) == "Cf" or any(lo <= code <= hi
+                                                   for lo, hi in IGNORABLE_RANGES)

@@ -199,6 +199,9 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     # Every byte quoted (=54=68=65), and code points as Unicode writes them.
     "quoted-printable, every byte": lambda s: "".join(f"={b:02X}" for b in s.encode()),
     "code points, U+": lambda s: " ".join(f"U+{ord(c):04X}" for c in s),
+    # CSS's escapes (zero-padded, a blank after each) and JavaScript's escape().
+    "CSS escapes": lambda s: "".join(f"\\{ord(c):06x} " for c in s),
+    "%u escapes": lambda s: "".join(f"%u{ord(c):04X}" for c in s),
     "bytes in binary, nothing between": lambda s: "".join(f"{b:08b}" for b in s.encode()),
     # A quote part plain, part encoded: its run crosses the seam. (An encoded
     # part under 24 characters, 18 bytes, is too short to be read at all.)
