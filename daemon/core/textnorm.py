@@ -10,9 +10,10 @@ guard (before a report is written) and the audit (after the fact) see text
 through this one module, so what one finds the other finds.
 
 Steps, in order:
-1. escapes decoded: HTML entities, \\uXXXX \\UXXXXXXXX \\xHH and the one-letter
-   escapes (\\n \\t \\" ...), %XX and =XX runs that form UTF-8 characters
-   (quoted-printable's soft line breaks too, in a text with an =XX); repeated
+1. escapes decoded (textnorm_escapes): HTML entities, \\uXXXX \\UXXXXXXXX \\xHH
+   and the one-letter escapes (\\n \\t \\" ...), CSS's and %uXXXX, %XX and =XX
+   runs that form UTF-8 characters (quoted-printable's soft line breaks too,
+   in a text with an =XX), code points (U+0054); repeated
    while anything changes (up to DECODE_LEVELS: `&amp;#x27;`, a JSON string
    inside a JSON log line). Decoded control characters separate words;
    decoded format characters (`&shy;`) are kept for step 2.
@@ -37,8 +38,8 @@ Steps, in order:
    beside it for words joined by them (what_in_the_world). The claims
    parser reads statistic names this way too (`words_as_read`).
 5. Text in an encoding (textnorm_encoded): each reading in rot13 and
-   backwards, and what each base64, base32, hex or byte-list stretch
-   decodes to, read by steps 1-5 in turn (base64 of base64 too), each
+   backwards, and what each base64, base32, hex, byte-list, ROT47 or
+   uuencoded stretch decodes to, read by steps 1-5 in turn (base64 of base64 too), each
    character of it mapped to the whole stretch.
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
