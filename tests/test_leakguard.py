@@ -482,9 +482,14 @@ def test_span_merging_rules() -> None:
     assert merge([(8, 15, 2), (0, 7, 1)]) == [(0, 15, 1)]  # touching
     assert merge([(0, 7, 1), (9, 15, 1)]) == [(0, 7, 1), (9, 15, 1)]  # a word between
     assert merge([(0, 9, 1), (3, 7, 2), (5, 12, 1)]) == [(0, 12, 1)]  # overlapping
-    chars = leakguard._merge_spans
+    from skilltrain.daemon.guard import leakguard_spans
+
+    chars = leakguard_spans.merge
     assert chars([(10, 20, 1, 3), (0, 12, 2, 4)]) == [(0, 20, 2, 4)]
     assert chars([(0, 10, 1, 3), (10, 20, 1, 3)]) == [(0, 10, 1, 3), (10, 20, 1, 3)]
+    # A reading in place's find counts only apart from the others'.
+    assert leakguard_spans.apart([(0, 9, 1, 8), (30, 40, 1, 8)], [(5, 20, 1, 8)]) == [
+        (30, 40, 1, 8)]
 
 
 def test_answer_keys_of_two_works_overlap_under_one_marker() -> None:
@@ -742,7 +747,8 @@ QUOTED_PRINTABLE_DISGUISES = ["quoted-printable, spaces quoted",
 # Leetspeak leaves the prose around a quote as it is: read as a plain quote.
 LEET_DISGUISES = ["leetspeak", "leetspeak, vowels only"]
 # Part plain, part encoded: read decoded in place, the cut takes both parts.
-PART_ENCODED_DISGUISES = ["a third plain, the rest base64", "a third plain, the rest hex"]
+PART_ENCODED_DISGUISES = ["a third plain, the rest base64", "a third plain, the rest hex",
+                          "a third plain, the rest Caesar 3", "a third plain, the rest Atbash"]
 
 
 @pytest.mark.parametrize("disguise", MARKUP_DISGUISES + INVISIBLE_AND_LATIN_DISGUISES
@@ -966,6 +972,28 @@ def test_rot47_and_uuencode_are_read_over_lines_and_behind_quote_marks() -> None
         leaks = find_leaks(report, index)
         assert len(leaks) == 1, encoded
         assert find_leaks(redact(report, leaks), index) == []
+
+
+def test_a_quote_part_as_written_part_in_rot13_is_read_with_only_its_rot13_undone() -> None:
+    # Issue 36: a line part plain, part rot13, neither part n words: the rot13
+    # reading garbles the plain part and the plain reading the rest. Only the
+    # words that are the key's in rot13 and not as written are undone; "or"
+    # is both ("be" in rot13), and is undone beside such words.
+    import codecs
+
+    from tests.corpus import adversarial
+
+    key = adversarial.key()
+    index = leakguard.index_for(adversarial.WORK, key)
+    line = "Possibly. But you don't want to be unemployed."
+    assert any(line in text for text in key.values())
+    words = line.split()
+    quote = " ".join(words[:2]) + " " + codecs.encode(" ".join(words[2:]), "rot13")
+    report = adversarial.report_quoting(quote)
+    (leak,) = find_leaks(report, index)
+    assert report[leak.start:leak.end] in quote
+    assert leakguard.AnswerKeys([index]).leaks(report)  # the log's and state's check
+    assert find_leaks(redact(report, [leak]), index) == []
 
 
 def test_the_logs_check_reads_a_shift_of_any_of_several_works() -> None:

@@ -108,7 +108,8 @@ _ASCII_LETTER = re.compile(r"[A-Za-z]")
 # (a for z, b for y, ...; its id ATBASH). rot13 is a reading of every text
 # (below); the others are read only when the guard finds a text's words
 # substituted from the key's (leakguard_caesar), by that cipher.
-SHIFTS = tuple(k for k in range(1, 26) if k != 13)
+ROT13 = 13
+SHIFTS = tuple(k for k in range(1, 26) if k != ROT13)
 ATBASH = 26
 CIPHERS = (*SHIFTS, ATBASH)
 _MOVED = {k: "".join(letters[k:] + letters[:k]

@@ -42,9 +42,10 @@ class Reading:
     # A reading that seldom holds a quote (rot13): the guard first asks whether
     # its words are the key's at all (HumanIndex.may_match) before hashing runs.
     screen_first: bool = False
-    # The text with its encoded stretches decoded where they stand (a quote
-    # part plain, part encoded): the guard keeps only its finds that no
-    # other reading made (one there would only grow into the prose beside it).
+    # The text with its encoded stretches decoded where they stand, or its
+    # ciphered words undone (a quote part plain, part encoded): the guard
+    # keeps only its finds that no other reading made (one there would only
+    # grow into the prose beside it).
     in_place: bool = False
     _spelled: list[tuple[str, list[int]]] | None = field(default=None, repr=False,
                                                          compare=False)

@@ -66,7 +66,6 @@ from typing import Protocol
 
 from ..core import textnorm
 from ..core.textnorm import Reading
-from ..core.textnorm_encoded import substitution_reading
 from ..core.textnorm_reading import SPELLED_CHARS
 from . import leakguard_caesar, leakguard_spelled
 from .leakguard_index import (
@@ -81,6 +80,7 @@ from .leakguard_index import (
     tokens,
 )
 from .leakguard_screen import known_run, may_leak, reads_spelled, screened_out, spells
+from .leakguard_spans import Span, apart, merge
 
 REDACTION_MARKER = "[verbatim answer-key passage removed]"
 
@@ -192,7 +192,7 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
     """`allow` builds the allowed shingles; called only on a hit (the model's
     episodes are the bulk of a prompt, and most texts hit nothing). `hashed`:
     the views' shingle hashes by (view, n, long_n), kept across indexes."""
-    spans: list[tuple[int, int, int, int]] = []  # start, end, episode, words
+    spans: list[Span] = []
     allowed: _Allowed | None = None
     mapped: list[Reading] | None = None  # the readings with offsets: made once, on a hit
 
@@ -201,33 +201,31 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
         allowed = allowed or allow()
         return allowed
 
-    def mapped_view(k: int, view: Reading, back: int | None = None) -> Reading:
+    def mapped_view(k: int, view: Reading, change: Callable[[Reading], Reading] | None = None
+                    ) -> Reading:
         """The view with offsets (escapes decoded or letters folded: map back)."""
         nonlocal mapped
-        if view.text is text and back is None:
+        if view.text is text and change is None:
             return view
         mapped = mapped or textnorm.readings(text, offsets=True)
-        return mapped[k] if back is None else substitution_reading(mapped[k], back)
+        return mapped[k] if change is None else change(mapped[k])
 
+    in_place: list[Span] = []  # finds of readings in place: kept apart from the others'
     for k, view in enumerate(views):
-        here: list[tuple[int, int, int, int]] = []
         if found := _view_spans(view, index, allowed_now, hashed, (k, index.n, index.long_n)):
-            here += _char_spans(mapped_view(k, view), found)
-        if index.shifted and view.is_first:  # the key in a Caesar shift (not 13) or Atbash
-            for back, shifted in leakguard_caesar.shifted_back(view, index):
+            (in_place if view.in_place else spans).extend(_char_spans(mapped_view(k, view), found))
+        if index.shifted and view.is_first:  # the key in a Caesar shift or Atbash
+            for change, shifted in leakguard_caesar.shifted_back(view, index):
                 if found := _view_spans(shifted, index, allowed_now):
-                    here += _char_spans(mapped_view(k, view, back), found)
-        if view.in_place:  # across a seam only, not around a stretch found
-            here = [span for span in here
-                    if not any(span[0] < end and start < span[1] for start, end, *_ in spans)]
-        spans += here
+                    (in_place if shifted.in_place else spans).extend(
+                        _char_spans(mapped_view(k, view, change), found))
     return [Leak(start=s, end=e, episode=ep, n_words=w, line=text.count("\n", 0, s) + 1)
-            for s, e, ep, w in _merge_spans(spans)]
+            for s, e, ep, w in merge(spans + apart(in_place, spans))]
 
 
 def _view_spans(view: Reading, index: HumanIndex, allowed: Callable[[], _Allowed],
                 hashed: dict[tuple[int, int, int], list[int]] | None = None,
-                key: tuple[int, int, int] | None = None) -> list[tuple[int, int, int, int]]:
+                key: tuple[int, int, int] | None = None) -> list[Span]:
     """(first word, last word, episode, words) of each run of the key in one
     reading; `hashed[key]`: its shingle hashes, kept across indexes."""
     found = _spelled_spans(view, index, allowed)
@@ -243,8 +241,7 @@ def _view_spans(view: Reading, index: HumanIndex, allowed: Callable[[], _Allowed
     return found
 
 
-def _char_spans(view: Reading, found: list[tuple[int, int, int, int]]
-                ) -> list[tuple[int, int, int, int]]:
+def _char_spans(view: Reading, found: list[Span]) -> list[Span]:
     """(start, end, episode, words) in the text of each run found in `view`
     (the reading with offsets)."""
     where = view.token_spans({i for first, last, *_ in found for i in (first, last)})
@@ -254,7 +251,7 @@ def _char_spans(view: Reading, found: list[tuple[int, int, int, int]]
 
 
 def _spelled_spans(view: Reading, index: HumanIndex,
-                   allowed: Callable[[], _Allowed]) -> list[tuple[int, int, int, int]]:
+                   allowed: Callable[[], _Allowed]) -> list[Span]:
     """(first word, last word, episode, words) of the key spelled out in the
     view (leakguard_spelled): in its first readings, not rot13 or backwards."""
     if not reads_spelled(view) or not index.spelled:
@@ -325,18 +322,6 @@ def _merge_token_spans(found: list[tuple[int, int, int]]) -> list[tuple[int, int
     return merged
 
 
-def _merge_spans(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
-    """Character spans found by several readings of one text, overlapping ones as one."""
-    merged: list[tuple[int, int, int, int]] = []
-    for start, end, episode, words in sorted(spans):
-        if merged and start < merged[-1][1]:
-            prev = merged[-1]
-            merged[-1] = (prev[0], max(prev[1], end), prev[2], max(prev[3], words))
-        else:
-            merged.append((start, end, episode, words))
-    return merged
-
-
 def _runs(hits: list[tuple[int, int]], n: int) -> Iterable[list[tuple[int, int]]]:
     """Group hit windows whose tokens overlap or touch (window i covers i..i+n-1)."""
     run: list[tuple[int, int]] = []
@@ -404,7 +389,9 @@ class AnswerKeys:
         views = textnorm.readings(text)
         if not any(known_run(v, self._words, self._words_as, self._n) for v in views) \
                 and not spells(views) \
-                and not leakguard_caesar.may_hold_any(views, self.indexes, self._shifted_long):
+                and not leakguard_caesar.may_hold_any(views, self.indexes, self._shifted_long,
+                                                      self._words_as.get("rot13", frozenset()),
+                                                      self._words):
             return []  # no run of any work's words: the common log field
         found: list[Leak] = []
         for index in self.indexes:

@@ -77,6 +77,10 @@ _PRINTABLE = "".join(map(chr, range(33, 127)))
 _ROT47 = str.maketrans(_PRINTABLE, _PRINTABLE[47:] + _PRINTABLE[:47])
 
 
+_ATBASH = str.maketrans(string.ascii_lowercase + string.ascii_uppercase,
+                        string.ascii_lowercase[::-1] + string.ascii_uppercase[::-1])
+
+
 def _caesar(text: str, shift: int) -> str:
     lower, upper = string.ascii_lowercase, string.ascii_uppercase
     k = shift % 26
@@ -208,6 +212,10 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "a third plain, the rest base64": lambda s: _part_plain(
         s, lambda rest: base64.b64encode(rest.encode()).decode()),
     "a third plain, the rest hex": lambda s: _part_plain(s, lambda rest: rest.encode().hex()),
+    # Or in a cipher: only its words that are not the key's as written are undone.
+    "a third plain, the rest Caesar 3": lambda s: _part_plain(s, lambda rest: _caesar(rest, 3)),
+    "a third plain, the rest Atbash": lambda s: _part_plain(s, lambda rest: rest.translate(
+        _ATBASH)),
     # Base64 or hex in words: each word encoded alone, or the run cut in groups.
     "base64, each word": lambda s: " ".join(base64.b64encode(w.encode()).decode()
                                             for w in s.split()),
@@ -233,9 +241,7 @@ DISGUISES: dict[str, Callable[[str], str]] = {
     "Caesar, shifted by 1": lambda s: _caesar(s, 1),
     "Caesar, shifted back by 5": lambda s: _caesar(s, -5),
     # Atbash: a for z, b for y, ... (its own inverse).
-    "Atbash": lambda s: s.translate(str.maketrans(
-        string.ascii_lowercase + string.ascii_uppercase,
-        string.ascii_lowercase[::-1] + string.ascii_uppercase[::-1])),
+    "Atbash": lambda s: s.translate(_ATBASH),
     # Morse code: letters apart by a space, words by " / " (or three spaces).
     "Morse code": lambda s: " / ".join(" ".join(_MORSE[c] for c in w.lower() if c in _MORSE)
                                        for w in s.split()),
