@@ -389,9 +389,7 @@ class AnswerKeys:
         views = textnorm.readings(text)
         if not any(known_run(v, self._words, self._words_as, self._n) for v in views) \
                 and not spells(views) \
-                and not leakguard_caesar.may_hold_any(views, self.indexes, self._shifted_long,
-                                                      self._words_as.get("rot13", frozenset()),
-                                                      self._words):
+                and not leakguard_caesar.may_hold_any(views, self.indexes, self._shifted_long):
             return []  # no run of any work's words: the common log field
         found: list[Leak] = []
         for index in self.indexes:

@@ -53,14 +53,11 @@ def may_hold(views: Sequence[Reading], index: HumanIndex) -> bool:
 
 
 def may_hold_any(views: Sequence[Reading], indexes: Sequence[HumanIndex],
-                 shifted_long: frozenset[int], rot13: frozenset[int] = frozenset(),
-                 words: frozenset[int] = frozenset()) -> bool:
+                 shifted_long: frozenset[int]) -> bool:
     """may_hold for any of `indexes`, screened first by `shifted_long`, the
-    union of theirs (and `rot13`, their words in rot13, less `words`, their
-    words as written): one set test a first reading, not one a work (a log
+    union of theirs: one set test a first reading, not one a work (a log
     line's string against 32 works cost ~100 us: bench/RESULTS.md, issue 36)."""
-    if not any(len(shifted_long.intersection(hashes := view.word_hashes())) >= SCREEN_WORDS
-               or len(rot13.intersection(hashes).difference(words)) >= SCREEN_WORDS
+    if not any(len(shifted_long.intersection(view.word_hashes())) >= SCREEN_WORDS
                for view in views if view.is_first):
         return False
     return any(may_hold(views, index) for index in indexes)
@@ -73,14 +70,11 @@ def _backs(view: Reading, index: HumanIndex) -> tuple[list[int], list[int]]:
     ciphered and another part plain."""
     shifted, n = index.shifted, index.n
     hashes = view.word_hashes()
-    rot13 = index.words_as.get("rot13", frozenset())
-    shifted_words = len(index.shifted_long.intersection(hashes)) >= SCREEN_WORDS
-    if not shifted or not (shifted_words or len(rot13.intersection(hashes).difference(
-            index.words)) >= SCREEN_WORDS):
-        return [], []
+    if not shifted or len(index.shifted_long.intersection(hashes)) < SCREEN_WORDS:
+        return [], []  # (its longer words in rot13 too)
     known = bytes(map(shifted.__contains__, hashes))
     whole = 0
-    for run in re.finditer(b"\x01{%d,}" % n, known) if shifted_words else ():
+    for run in re.finditer(b"\x01{%d,}" % n, known):
         masks = [shifted[h] for h in hashes[run.start():run.end()]]
         for first in range(len(masks) - n + 1):
             whole |= functools.reduce(operator.and_, masks[first:first + n])

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core import dataset, textnorm
-from ..core.textnorm_encoded import CIPHERS, substitute
+from ..core.textnorm_encoded import CIPHERS, ROT13, substitute
 from ..core.textnorm_reading import WORD_TRANSFORMS, hashed_runs
 from . import leakguard_spelled
 from .leakguard_spelled import SPELLED_CHARS
@@ -253,7 +253,7 @@ class HumanIndex:
     # Each word of the key in each Caesar shift but 13 and in Atbash: the
     # hash of the word so written -> the ciphers (bits) that make it
     # (leakguard_caesar); and those of SHIFTED_SCREEN_LETTERS letters or
-    # more, its first screen.
+    # more, rot13's too, its first screen.
     shifted: Mapping[int, int] = field(default_factory=dict)
     shifted_long: frozenset[int] = frozenset()
 
@@ -394,6 +394,10 @@ def _shifted(vocabulary: set[str]) -> tuple[dict[int, int], frozenset[int]]:
             shifted[key] = shifted.get(key, 0) | 1 << cipher
             if len(word) >= SHIFTED_SCREEN_LETTERS:
                 long.add(key)
+    # rot13's too (its reading is every text's; a quote part plain, part rot13
+    # is read by leakguard_caesar), where it is no word of the key as written.
+    long.update(hash(word) for word in substitute(words, ROT13).split()
+                if len(word) >= SHIFTED_SCREEN_LETTERS and word not in vocabulary)
     return shifted, frozenset(long)
 
 
