@@ -83,6 +83,7 @@ from .leakguard_screen import known_run, may_leak, reads_spelled, screened_out, 
 from .leakguard_spans import Span, apart, merge
 
 REDACTION_MARKER = "[verbatim answer-key passage removed]"
+_WordSpan = tuple[int, int, int, int]  # first word, last word, episode, words: of a reading
 
 # The index (leakguard_index.py) is re-exported: callers know one module, the guard.
 __all__ = [
@@ -225,7 +226,7 @@ def _find(text: str, views: Sequence[Reading], index: HumanIndex,
 
 def _view_spans(view: Reading, index: HumanIndex, allowed: Callable[[], _Allowed],
                 hashed: dict[tuple[int, int, int], list[int]] | None = None,
-                key: tuple[int, int, int] | None = None) -> list[Span]:
+                key: tuple[int, int, int] | None = None) -> list[_WordSpan]:
     """(first word, last word, episode, words) of each run of the key in one
     reading; `hashed[key]`: its shingle hashes, kept across indexes."""
     found = _spelled_spans(view, index, allowed)
@@ -241,7 +242,7 @@ def _view_spans(view: Reading, index: HumanIndex, allowed: Callable[[], _Allowed
     return found
 
 
-def _char_spans(view: Reading, found: list[Span]) -> list[Span]:
+def _char_spans(view: Reading, found: list[_WordSpan]) -> list[Span]:
     """(start, end, episode, words) in the text of each run found in `view`
     (the reading with offsets)."""
     where = view.token_spans({i for first, last, *_ in found for i in (first, last)})
@@ -251,7 +252,7 @@ def _char_spans(view: Reading, found: list[Span]) -> list[Span]:
 
 
 def _spelled_spans(view: Reading, index: HumanIndex,
-                   allowed: Callable[[], _Allowed]) -> list[Span]:
+                   allowed: Callable[[], _Allowed]) -> list[_WordSpan]:
     """(first word, last word, episode, words) of the key spelled out in the
     view (leakguard_spelled): in its first readings, not rot13 or backwards."""
     if not reads_spelled(view) or not index.spelled:
