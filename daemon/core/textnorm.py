@@ -39,8 +39,8 @@ Steps, in order:
    parser reads statistic names this way too (`words_as_read`).
 5. Text in an encoding (textnorm_encoded): each reading in rot13 and
    backwards, and what each base64, base32, hex, byte-list, ROT47 or
-   uuencoded stretch decodes to, read by steps 1-5 in turn (base64 of base64 too), each
-   character of it mapped to the whole stretch.
+   uuencoded stretch decodes to, read by steps 1-5 in turn (base64 of
+   base64 too), each character of it mapped to the whole stretch.
 
 A format character may sit inside a word ("fa<ZWSP>ther") or between words
 ("the<ZWJ>truth<ZWJ>is"); no rule tells which from the text alone. So a

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import base64
 import bisect
-import codecs
 import re
 import string
 from collections.abc import Callable
+
+from .textnorm_tables import ONE_BYTE
 
 PROBE_CHARS = 200  # 160 bytes: text or not, it says
 
@@ -65,21 +66,11 @@ def _marks(chars: str) -> bytes:
 _A85, _B85 = _marks(_A85_CHARS), _marks(_B85_CHARS)
 
 
-# A character past ASCII (a surrogate too) as one space: in no alphabet, so a
-# run stops at a curly quote after it; one byte a character keeps offsets.
-def _as_spaces(error: UnicodeError) -> tuple[str, int]:
-    assert isinstance(error, UnicodeEncodeError)
-    return " " * (error.end - error.start), error.end
-
-
-codecs.register_error("skilltrain-space", _as_spaces)
-
-
 def _runs(text: str, marks: bytes, min_chars: int) -> list[tuple[int, int]]:
     """(start, end) of each run of `min_chars` characters or more of an
     alphabet, found by bytes.translate and bytes.find (C: a regex over a 50 MiB
     log cost seconds)."""
-    marked = text.encode("ascii", "skilltrain-space").translate(marks)
+    marked = text.encode("ascii", ONE_BYTE).translate(marks)  # a curly quote ends a run
     long = b"A" * min_chars
     spans = []
     start = marked.find(long)

@@ -204,7 +204,7 @@ def _leet_words(marks: bytes) -> tuple[int, int]:
 
 def rot13(text: str) -> str:
     """`text` with its ASCII letters rotated by 13."""
-    return substitute(text, 13)
+    return substitute(text, ROT13)
 
 
 def rot13_reading(reading: Reading) -> Reading:

@@ -90,5 +90,3 @@ def quoted_printable(text: str) -> bool:
     padding) or =20 alone (code's "top_k=20", a claim's "mean=20% higher":
     its "=" and number stay)."""
     return _QP_CHARS.search(text) is not None or len(_QP_SPACE.findall(text)) >= 3
-
-

@@ -1,10 +1,11 @@
 """Characters textnorm folds to the ASCII an English reader sees in them:
 letters of other scripts that look like Latin ones, typography, letters
-NFKD does not decompose, and characters shown as nothing. Data, and the
-one test on it that textnorm and its escapes share (is_format); textnorm
-applies them."""
+NFKD does not decompose, and characters shown as nothing. Data, and what
+textnorm's modules share about characters: is_format, and ONE_BYTE (an
+encoding that keeps a text's offsets); textnorm applies them."""
 from __future__ import annotations
 
+import codecs
 import unicodedata
 
 APOSTROPHE = "'"
@@ -50,3 +51,16 @@ def is_format(ch: str) -> bool:
     code = ord(ch)
     return unicodedata.category(ch) == "Cf" or any(lo <= code <= hi
                                                    for lo, hi in IGNORABLE_RANGES)
+
+
+def _as_delete(error: UnicodeError) -> tuple[str, int]:
+    assert isinstance(error, UnicodeEncodeError)
+    return "\x7f" * (error.end - error.start), error.end
+
+
+# An encoding error handler: each character past ASCII (a surrogate too) as
+# one DEL, a byte of no encoding's alphabet, so `text.encode("ascii",
+# ONE_BYTE)` has the text's offsets and its scans can be bytes.translate and
+# bytes.find (C: a regex over a 50 MiB log cost seconds).
+ONE_BYTE = "skilltrain-one-byte"
+codecs.register_error(ONE_BYTE, _as_delete)

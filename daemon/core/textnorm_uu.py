@@ -13,9 +13,10 @@ its first character: a bytes.translate and a find (C) say so first.
 from __future__ import annotations
 
 import binascii
-import codecs
 import re
 from collections.abc import Callable
+
+from .textnorm_tables import ONE_BYTE
 
 # The space to the backquote as "u", anything else (a small letter, a line break) "x".
 _MARKS = bytes(ord("u") if 32 <= c <= 96 else ord("x") for c in range(256))
@@ -35,16 +36,6 @@ _CAPITALS = bytes(ord("U") if 65 <= c <= 90 else ord("x") for c in range(256))
 MIN_CAPITALS_SHARE = 0.1
 
 
-def _as_delete(error: UnicodeError) -> tuple[str, int]:
-    """A character past ASCII as one DEL: in no line, and one byte a character."""
-    assert isinstance(error, UnicodeEncodeError)
-    return "\x7f" * (error.end - error.start), error.end
-
-
-_ONE_BYTE = "skilltrain-uu-delete"
-codecs.register_error(_ONE_BYTE, _as_delete)
-
-
 def decoded_runs(text: str, raw: bytes, min_chars: int,
                  as_text: Callable[[bytes], str | None]) -> list[tuple[int, int, str]]:
     """(start, end, decoded text) of each block of uuencoded lines in `text` that
@@ -54,7 +45,7 @@ def decoded_runs(text: str, raw: bytes, min_chars: int,
     if long_run not in marked:
         return []
     if len(raw) != len(text):  # one byte a character, so the marks' offsets are the text's
-        raw = text.encode("ascii", _ONE_BYTE)
+        raw = text.encode("ascii", ONE_BYTE)
         marked = raw.translate(_MARKS)
     capitals = raw.translate(_CAPITALS)
     runs, at = [], marked.find(long_run)
