@@ -2,6 +2,8 @@
 (start, end, episode, words), start and end the text's characters."""
 from __future__ import annotations
 
+import bisect
+
 Span = tuple[int, int, int, int]  # start, end, episode, words
 
 
@@ -20,6 +22,12 @@ def merge(spans: list[Span]) -> list[Span]:
 def apart(in_place: list[Span], found: list[Span]) -> list[Span]:
     """The finds of readings in place (Reading.in_place: stretches decoded or
     words undone where they stand) that overlap none of `found`: such a
-    reading's find counts across a seam, not around a passage found."""
+    reading's find counts across a seam, not around a passage found.
+
+    Against `found` merged: disjoint and in order, so only the last stretch
+    that starts before a span ends can reach back into it (a report quoting
+    the key a thousand times had made this a thousand by a thousand)."""
+    covered = merge(found)
+    starts = [start for start, *_ in covered]
     return [span for span in in_place
-            if not any(span[0] < end and start < span[1] for start, end, *_ in found)]
+            if (k := bisect.bisect_left(starts, span[1]) - 1) < 0 or covered[k][1] <= span[0]]
