@@ -120,7 +120,7 @@ def test_killed_after_the_create_before_its_id_was_recorded(
     ws.write_step("r1", 0, 0, success=True)
     hold = threading.Event()
     server.plan = AnthropicPlan(hold_after_create=hold)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         wait_until(lambda: server.creates == 1, START_TIMEOUT_S, message="the create")
         time.sleep(0.1)
         d.kill()
@@ -140,7 +140,7 @@ def test_killed_while_the_batch_is_open_or_ended_unhandled(
                    batch_poll_max_s=30.0 if point == "ended" else 0.3)
     ws.write_step("r1", 0, 0, success=True)
     server.plan = AnthropicPlan(latency_s=4.0 if point == "open" else 0.1)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         d.wait_event("batch.submitted", START_TIMEOUT_S)
         if point == "ended":
             batch_id = next(iter(server.batches))
@@ -151,7 +151,7 @@ def test_killed_while_the_batch_is_open_or_ended_unhandled(
 
 
 def _finish_and_check(ws: Workspace, server: AnthropicBatchServer) -> None:
-    with DaemonProcess(ws, name="after") as d:
+    with DaemonProcess(ws, prewarmed=True, name="after") as d:
         wait_until(lambda: finished(ws), START_TIMEOUT_S,
                    message=lambda: f"reports; {d.stderr()[-800:]}")
         wait_until(lambda: ws.events("step.reported"), 20, message="step.reported")

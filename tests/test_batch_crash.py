@@ -54,7 +54,7 @@ def finish_and_check(ws: Workspace, server: BatchServer, *, creates: int) -> Non
     # decides): then the restart must not say it either.
     marker = ws.runs / "r1" / "loss" / ".steps" / "epoch_00-step_00.json"
     lost_in_the_kill = marker.exists() and not ws.events("step.reported")
-    with DaemonProcess(ws, name="after") as d:
+    with DaemonProcess(ws, prewarmed=True, name="after") as d:
         wait_until(lambda: all(ws.has_report(s) for s in ws.sets_of_step("r1", 0, 0)),
                    START_TIMEOUT_S, message=lambda: f"reports; {d.stderr()[-800:]}")
         wait_until(lambda: not list(ws.runs.glob("r1/loss/.batches/*.json")), 20,
@@ -81,7 +81,7 @@ def test_killed_after_the_upload_before_the_batch_exists(
     ws = workspace(tmp_path, server)
     hold = threading.Event()
     server.plan = BatchPlan(hold_after_upload=hold)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         wait_until(lambda: server.uploads == 1, START_TIMEOUT_S, message="the upload")
         d.kill()
     hold.set()
@@ -95,7 +95,7 @@ def test_killed_after_the_create_before_its_id_was_recorded(
     ws = workspace(tmp_path, server)
     hold = threading.Event()
     server.plan = BatchPlan(hold_after_create=hold)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         wait_until(lambda: server.creates == 1, START_TIMEOUT_S, message="the create")
         time.sleep(0.1)
         d.kill()
@@ -110,7 +110,7 @@ def test_killed_after_the_create_before_its_id_was_recorded(
 def test_killed_while_the_batch_is_open(tmp_path: Path, server: BatchServer) -> None:
     ws = workspace(tmp_path, server)
     server.plan = BatchPlan(latency_s=4.0)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         d.wait_event("batch.submitted", START_TIMEOUT_S)
         d.kill()
     finish_and_check(ws, server, creates=1)
@@ -120,7 +120,7 @@ def test_killed_after_the_batch_completed_before_its_results_were_handled(
         tmp_path: Path, server: BatchServer) -> None:
     ws = workspace(tmp_path, server, batch_poll_s=30.0, batch_poll_max_s=30.0)
     server.plan = BatchPlan(latency_s=0.1)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         d.wait_event("batch.submitted", START_TIMEOUT_S)
         wait_until(lambda: server.billed or server.retrieve(server.batch_list()[0].id),
                    10, message="completed on the server")
@@ -133,7 +133,7 @@ def test_killed_while_its_results_are_being_written(
         tmp_path: Path, server: BatchServer) -> None:
     ws = workspace(tmp_path, server)
     server.plan = BatchPlan(latency_s=0.5)
-    with DaemonProcess(ws) as d:
+    with DaemonProcess(ws, prewarmed=True) as d:
         d.wait_event("loss.completed", START_TIMEOUT_S)
         d.kill()
     finish_and_check(ws, server, creates=1)

@@ -168,7 +168,7 @@ def kill_at_random_moment(
 ) -> Kill:
     """Spawn an incarnation, SIGKILL it `delay_s` after its anchor, return what was seen."""
     requests_at_spawn = server.request_count
-    proc = DaemonProcess(ws, name=f"daemon{n}")
+    proc = DaemonProcess(ws, name=f"daemon{n}", prewarmed=True)
     first_request_s = None
     try:
         anchor = proc.started_at
@@ -202,7 +202,7 @@ def kill_at_random_moment(
 
 def finish(ws: Workspace, sets: list[SetId], n: int) -> float:
     """The last incarnation: wait for every report and the state to say so; SIGTERM it."""
-    proc = DaemonProcess(ws, name=f"daemon{n}")
+    proc = DaemonProcess(ws, name=f"daemon{n}", prewarmed=True)
     t0 = time.monotonic()
     try:
 

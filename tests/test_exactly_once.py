@@ -154,7 +154,7 @@ def test_sigkills_looks_and_resyncs_never_send_a_version_of_a_set_twice(
     versions: dict[tuple[str, int], int] = {}
     for era in range(ROUNDS + 1):
         server.era = era
-        with DaemonProcess(ws, name=f"daemon{era}") as d:
+        with DaemonProcess(ws, prewarmed=True, name=f"daemon{era}") as d:
             d.wait_event("daemon.started", 60, pid=d.pid)
             if era == ROUNDS:
                 wait_until(lambda: _all_done(ws, versions), 120,

@@ -263,7 +263,7 @@ def test_a_runs_run_toml_sets_its_tier(tmp_path: Path, start: Start,
 
 def _killed_at(ws: Workspace, server: LLMServer, name: str, seen: int) -> None:
     """A daemon life, SIGKILLed once the server has seen `seen` requests in all."""
-    with DaemonProcess(ws, name=name) as d:
+    with DaemonProcess(ws, prewarmed=True, name=name) as d:
         d.wait_event("daemon.started", 60, pid=d.pid)
         wait_until(lambda: server.request_count >= seen, 60,
                    message=lambda: f"{seen} requests; {d.stderr()[-600:]}")
@@ -295,7 +295,7 @@ def test_sigkill_while_flex_waits_or_is_in_flight_loses_no_set_and_sends_none_tw
         capacity.reply = Reply.hang(120)
         life("in_flight", 2 * len(sets))  # each set's flex call held by the server
         capacity.reply = Reply.ok("A craft report. " * 30)
-        with DaemonProcess(ws, name="last") as d:
+        with DaemonProcess(ws, prewarmed=True, name="last") as d:
             d.wait_event("daemon.started", 60, pid=d.pid)
             wait_until(lambda: all(ws.has_report(s) for s in sets), 60,
                        message=lambda: f"every report; {d.stderr()[-600:]}")

@@ -88,7 +88,7 @@ def test_sigkill_at_random_stages_runs_every_stage_once_per_step(
     rng.shuffle(KILL_AFTER)
     for n, target in enumerate(KILL_AFTER):
         offset = len(ws.events())
-        with DaemonProcess(ws, name=f"daemon{n}") as daemon:
+        with DaemonProcess(ws, prewarmed=True, name=f"daemon{n}") as daemon:
             wait_until(functools.partial(reached, ws, offset, target), STAGE_TIMEOUT_S,
                        message=target)
             time.sleep(rng.uniform(0.0, 0.15))
@@ -99,7 +99,7 @@ def test_sigkill_at_random_stages_runs_every_stage_once_per_step(
             kills.append(f"after {target}: last stage event {last}")
         if ws.events("run.finished"):
             break
-    with DaemonProcess(ws, name="final") as daemon:
+    with DaemonProcess(ws, prewarmed=True, name="final") as daemon:
         end = daemon.wait_event("run.finished", 120)
         daemon.signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0

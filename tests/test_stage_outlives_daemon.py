@@ -109,7 +109,7 @@ def test_a_restarted_daemon_waits_for_the_job_the_one_before_submitted(
     ws = cluster_workspace(tmp_path, llm_server.url)
     hold = tmp_path / f"{stage}-holds"
     hold.touch()
-    with DaemonProcess(ws, name="first") as first:
+    with DaemonProcess(ws, prewarmed=True, name="first") as first:
         start_run(ws)
         # The job has started on the "cluster": the toy command's own start line.
         wait_until(lambda: journal(ws, stage, "start"), STAGE_TIMEOUT_S,
@@ -131,7 +131,7 @@ def test_a_restarted_daemon_waits_for_the_job_the_one_before_submitted(
     assert handle.exists()
 
     offset = len(ws.events())
-    with DaemonProcess(ws, name="second") as second:
+    with DaemonProcess(ws, prewarmed=True, name="second") as second:
         reattached = second.wait_event(f"{stage}.reattached", STAGE_TIMEOUT_S)
         assert reattached["ended"] is False  # still running, not found ended
         assert reattached["argv"][-len(sub["argv"]):] == sub["argv"]
