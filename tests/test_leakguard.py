@@ -1020,7 +1020,8 @@ def test_the_logs_check_reads_a_shift_of_any_of_several_works() -> None:
 
 @pytest.mark.parametrize("disguise", [
     "letter-spaced", "letter-spaced, words three apart", "letters dotted",
-    "letters hyphenated, upper", "letters spaced by zero-width spaces"])
+    "letters hyphenated, upper", "letters spaced by zero-width spaces",
+    "words run together, marks kept"])
 def test_a_quote_spelled_out_is_found_by_its_letters_and_cut(disguise: str) -> None:
     # Spelled letter by letter, or its words run together, a line has no words
     # left to match: its letters are matched (leakguard_spelled). Every line of
@@ -1043,6 +1044,22 @@ def test_a_quote_spelled_out_is_found_by_its_letters_and_cut(disguise: str) -> N
         assert leakguard.AnswerKeys([index]).leaks(report)
         assert leakguard.may_leak(textnorm.readings(report), index)
     assert missed <= adversarial.SPELLED_MISSES
+
+
+def test_only_a_sentence_run_together_is_read_as_one_stretch_of_letters() -> None:
+    # Words and a sentence's marks with no space between them are one stretch;
+    # a path, a URL, a slug or a line of JSON is not (each would be
+    # read letter window by letter window, for nothing, in every log line).
+    def stretches(text: str) -> list[str]:
+        return [letters for letters, _ in textnorm.readings(text)[0].spelled()]
+
+    assert stretches("He said: Well,I'lltellyou.EggshellsandMiracleGrow. Then left.") == [
+        "wellilltellyoueggshellsandmiraclegrow"]
+    for text in ("/srv/runs/r1/epoch_00/step_01/work/reports/ep01-03.md",
+                 "https://example.com/a,b;c/eggshells-and-miracle-grow?x=1",
+                 "skilltrain-bench-cpuprobe-ns8kjsje-and-more-of-it",
+                 '{"claims_status":"not_checked","claims_confirmed":0,"tokens_in":12}'):
+        assert stretches(text) == [], text
 
 
 def test_text_spelled_out_that_is_not_the_key_or_is_the_models_own_is_no_leak() -> None:

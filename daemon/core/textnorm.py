@@ -80,7 +80,7 @@ DECODE_LEVELS = 4
 ENCODED_LEVELS = 2
 # Bump when any text reads differently: what was found clean before (the
 # start audit's cache) may not be clean now.
-VERSION = 9
+VERSION = 10
 
 # A Latin letter by its Unicode name: "LATIN LETTER SMALL CAPITAL H",
 # "LATIN SMALL LETTER D WITH HOOK", "LATIN SMALL LETTER SCRIPT G". Turned and

@@ -273,6 +273,7 @@ SPELLED_DISGUISES: dict[str, Callable[[str], str]] = {
     "letters dotted": lambda s: " ".join(".".join(w) for w in s.split()),
     "letters hyphenated, upper": lambda s: " ".join("-".join(w) for w in s.upper().split()),
     "letters spaced by zero-width spaces": lambda s: "\u200b".join(s.replace(" ", "")),
+    "words run together, marks kept": lambda s: "".join(s.split()),
 }
 SPELLED_MISSES = {
     "But I don't want to lie to her.",  # 22 letters
