@@ -83,8 +83,9 @@ class Started:
                 return None
         data = self._conn.recv(32)
         self._conn.close()
-        # No status at all: the server died. The child died with it (PR_SET_PDEATHSIG
-        # is not used; the server kills its children on the way out).
+        # No status at all: the server is gone. Its way out (SIGTERM, or the test
+        # process gone) kills its children first; a server killed outright leaves
+        # its child running, and that child is then reported killed.
         self.returncode = int(data) if data.strip() else -signal.SIGKILL
         return self.returncode
 
