@@ -54,6 +54,11 @@ class Started:
         self.pid = pid
         self.returncode: int | None = None
         self._conn = conn
+        # Signals go through a pidfd: once the server has reaped the child, its
+        # pid may be any process's or thread's (pid_max is 32768 here).
+        self._pidfd: int | None = None
+        with contextlib.suppress(ProcessLookupError):
+            self._pidfd = os.pidfd_open(pid)
 
     def poll(self) -> int | None:
         return self._read_status(0.0)
@@ -65,9 +70,9 @@ class Started:
         return code
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
+        if self.poll() is None and self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+                signal.pidfd_send_signal(self._pidfd, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -83,6 +88,9 @@ class Started:
                 return None
         data = self._conn.recv(32)
         self._conn.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         # No status at all: the server is gone. Its way out (SIGTERM, or the test
         # process gone) kills its children first; a server killed outright leaves
         # its child running, and that child is then reported killed.

@@ -14,7 +14,6 @@ runs in the toy commands' journal.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -101,6 +100,27 @@ def alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def kill_if_client(pid: int) -> None:
+    """SIGKILL `pid` if it is still the fake sbatch client. After a SIGTERM the
+    daemon has ended and reaped it, and its pid may be anyone's by now (a
+    thread of a pytest worker: pid_max is 32768 here and the suite makes tens
+    of thousands of threads; one such kill took a worker down in CI). A pidfd
+    holds the process the name was read from, so the check and the kill are
+    of one process."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"fake_sbatch.py" in f.read():
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # it ended between the two looks
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("stage", ["writer", "optimizer"])
 def test_a_restarted_daemon_waits_for_the_job_the_one_before_submitted(
@@ -123,8 +143,7 @@ def test_a_restarted_daemon_waits_for_the_job_the_one_before_submitted(
             first.wait(SHUTDOWN_S / 2)
             assert ws.events(f"{stage}.stopped")
     [sub] = of_stage(submissions(ws), stage)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(sub["client"], signal.SIGKILL)  # systemd kills what is left in the unit's cgroup
+    kill_if_client(sub["client"])  # systemd kills what is left in the unit's cgroup
     wait_until(lambda: not alive(sub["client"]), 5, message="the client's end")
     assert alive(sub["job"]), "the job must outlive the daemon and its client"
     handle = detached.handle_path(ws.runs, layout.StepKey(RUN, 0, 0), stage)
