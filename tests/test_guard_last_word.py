@@ -353,9 +353,12 @@ def test_an_archive_piece_read_before_is_read_again_at_its_seams(
     monkeypatch.setattr(leakguard, "find_leaks",
                         lambda text, *a, **k: read.append(len(text)) or real_find(text, *a, **k))
     clean = archive(" ".join(words[:4]))  # four words of the line: no leak alone
+    whole = []
     for _ in range(3):  # seen, then read alone, then known
         read.clear()
         assert not sealed_write.Seal(index).archive_leaks(clean)
+        whole.append(sum(n >= len(head) for n in read))
+    assert whole == [1, 1, 0], whole  # the second time: alone, then its edges only
     assert max(read, default=0) < len(head) // 2, read  # known: only its edges were read
     # The same piece before a block that opens with the rest of the line.
     seam = archive(" ".join(words[:4]), block_start=" ".join(words[4:]) + "\n")
