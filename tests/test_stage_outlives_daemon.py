@@ -90,14 +90,18 @@ def of_stage(subs: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
     return [s for s in subs if any(arg.endswith(script) for arg in s["argv"])]
 
 
-def alive(pid: int) -> bool:
+def alive(pid: int, program: str) -> bool:
+    """Is `pid` still running `program`? (Its pid may be another process's by
+    now: see kill_if_client.)"""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if program.encode() not in f.read():
+                return False
+        # A job reparented to a PID 1 that does not reap stays a zombie: ended all the same.
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    # A job reparented to a PID 1 that does not reap stays a zombie: ended all the same.
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def kill_if_client(pid: int) -> None:
@@ -144,8 +148,9 @@ def test_a_restarted_daemon_waits_for_the_job_the_one_before_submitted(
             assert ws.events(f"{stage}.stopped")
     [sub] = of_stage(submissions(ws), stage)
     kill_if_client(sub["client"])  # systemd kills what is left in the unit's cgroup
-    wait_until(lambda: not alive(sub["client"]), 5, message="the client's end")
-    assert alive(sub["job"]), "the job must outlive the daemon and its client"
+    wait_until(lambda: not alive(sub["client"], "fake_sbatch.py"), 5,
+               message="the client's end")
+    assert alive(sub["job"], f"toy_{stage}.py"), "the job must outlive the daemon and its client"
     handle = detached.handle_path(ws.runs, layout.StepKey(RUN, 0, 0), stage)
     assert handle.exists()
 
