@@ -110,34 +110,35 @@ def test_slow_start_doubles_then_a_429_cuts_once_per_episode_then_it_grows_by_on
     async def scenario() -> None:
         lim, events, clock = limiter()
         assert lim.limit == 4
-        for _ in range(3):  # three full windows: 4 -> 8 -> 16 -> 32
+        for _ in range(4):  # four full windows: 4 -> 8 -> 16, then by half: -> 24 -> 36
             gens = [await lim.acquire() for _ in range(lim.limit)]
             for g in gens:
                 lim.release(g, "ok")
-        assert lim.limit == 32
-        assert [e["reason"] for e in events] == ["slow start"] * 3
-        gens = [await lim.acquire() for _ in range(32)]
+        assert lim.limit == 36
+        assert [e["reason"] for e in events] == ["slow start"] * 4
+        gens = [await lim.acquire() for _ in range(36)]
         for g in gens[:10]:  # ten 429s of calls started under one limit: one cut, x0.8
             lim.release(g, "rate_limited")
-        assert lim.limit == 25 and not lim.slow_start
+        assert lim.limit == 28 and not lim.slow_start
         for g in gens[10:]:
             lim.release(g, "ok")
-        gens = [await lim.acquire() for _ in range(25)]
-        for g in gens:
-            lim.release(g, "ok")
-        assert lim.limit == 26  # additive now, not doubling
-        assert [e["limit"] for e in events][-2:] == [25, 26]
-        assert len(events) == 5  # one per move, not per call
+        for _ in range(4):  # additive now, and slow start's burst-fed successes are no
+            gens = [await lim.acquire() for _ in range(lim.limit)]  # wall above the cut:
+            for g in gens:  # one more every four windows
+                lim.release(g, "ok")
+        assert lim.limit == 29
+        assert [e["limit"] for e in events][-2:] == [28, 29]
+        assert len(events) == 6  # one per move, not per call
         # A 429 of a call admitted under the cut limit, within 15 s of the cut:
         # the same episode (inspect_ai's debounce); after 15 s, a new one.
         g = await lim.acquire()
         clock.now += 10.0
         lim.release(g, "rate_limited")
-        assert lim.limit == 26
+        assert lim.limit == 29
         g = await lim.acquire()
         clock.now += 6.0
         lim.release(g, "rate_limited")
-        assert lim.limit == 20
+        assert lim.limit == 23
 
     run(scenario())
 
@@ -254,21 +255,21 @@ def test_a_call_admitted_before_the_wait_was_over_is_still_the_episode() -> None
     run(scenario())
 
 
-def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -> None:
-    """The doubling from 32 to 64 overshot a provider that serves 40 at once:
-    the cut keeps the 40 served in the last round trip (TCP Westwood), not
-    x0.8 = 51, which would need a second episode; never below the 32 of the
-    window before the doubling, which all succeeded."""
+def test_leaving_slow_start_keeps_what_the_provider_served_and_the_window_before() -> None:
+    """The growth from 24 to 36 overshot a provider that serves 26 at once:
+    the cut keeps the 26 served in the last round trip (TCP Westwood), not
+    x0.8 = 28, which would need a second episode; never below the 24 of the
+    window before the growth, which all succeeded."""
     async def scenario() -> None:
-        for served, expected in ((40, 40), (10, 32), (60, 51)):
+        for served, expected in ((26, 26), (10, 24), (35, 28)):
             lim, events, clock = limiter()
-            while lim.limit < 64:  # slow start: windows of successes, one second each
+            while lim.limit < 36:  # slow start: windows of successes, one second each
                 gens = [await lim.acquire() for _ in range(lim.limit)]
                 clock.now += 1.0
                 for g in gens:
                     lim.release(g, "ok", round_trip_s=1.0)
-            rest = await round_trip(lim, clock, calls=64, ok=served)
-            assert lim.slow_start and lim.limit == 64
+            rest = await round_trip(lim, clock, calls=36, ok=served)
+            assert lim.slow_start and lim.limit == 36
             clock.now += 0.01
             rest[0].give_back("rate_limited")
             assert lim.limit == expected and not lim.slow_start
@@ -279,31 +280,69 @@ def test_leaving_slow_start_keeps_what_the_provider_served_and_at_least_half() -
     run(scenario())
 
 
-def test_past_the_last_wall_the_limit_grows_one_every_four_windows() -> None:
+def test_slow_start_doubles_to_16_then_grows_by_half() -> None:
+    """RFC 3742's limited slow start: the step that meets the wall overshoots
+    it by half at most (a doubling 32 -> 64 against a provider serving 40 at
+    once refused 10-20 calls of 600 in the bench)."""
+    async def scenario() -> None:
+        lim, events, _ = limiter()
+        while lim.limit < 64:
+            gens = [await lim.acquire() for _ in range(lim.limit)]
+            for g in gens:
+                lim.release(g, "ok")
+        assert [e["limit"] for e in events] == [8, 16, 24, 36, 54, 64]
+
+    run(scenario())
+
+
+async def _window(lim: Limiter, clock: Clock) -> None:
+    """A window of successes: the limit's worth of calls, a second each."""
+    gens = [await lim.acquire() for _ in range(lim.limit)]
+    clock.now += 1.0
+    for g in gens:
+        lim.release(g, "ok", round_trip_s=1.0)
+
+
+def test_near_the_last_wall_the_limit_grows_one_every_four_windows() -> None:
     """A burst allowance hides a limit above the provider's rate until the
-    burst is spent: below the calls served when the last cut came, one more a
-    window; past them, one more every four (TCP CUBIC's plateau)."""
+    burst is spent: below 90 % of the calls served when the last cut came,
+    one more a window; from there, one more every four (TCP CUBIC's plateau:
+    the growth that met the wall at 47 after a cut to 44 refused 3-11 calls)."""
     async def scenario() -> None:
         lim, _, clock = limiter()
         lim.limit, lim.slow_start = 50, False
-        rest = await round_trip(lim, clock, calls=50, ok=42)  # then a 429
+        rest = await round_trip(lim, clock, calls=50, ok=48)  # then a 429
         rest[0].give_back("rate_limited", retry_after_s=0.01)
         for slot in rest[1:]:
             slot.give_back("ok")
         assert lim.limit == 40
         clock.now += 0.1  # past the Retry-After
-
-        async def window() -> None:
-            gens = [await lim.acquire() for _ in range(lim.limit)]
-            clock.now += 1.0
-            for g in gens:
-                lim.release(g, "ok", round_trip_s=1.0)
-
         grown = []
         for _ in range(10):
-            await window()
+            await _window(lim, clock)
             grown.append(lim.limit)
-        assert grown == [41, 42, 42, 42, 42, 43, 43, 43, 43, 44]
+        assert grown == [41, 42, 43, 44, 44, 44, 44, 45, 45, 45]  # near from 43.2
+
+    run(scenario())
+
+
+def test_after_slow_start_the_limit_grows_one_every_four_windows() -> None:
+    """Slow start's last successes are fed by the provider's burst: what it
+    served then is no wall above the cut."""
+    async def scenario() -> None:
+        lim, _, clock = limiter()
+        while lim.limit < 36:
+            await _window(lim, clock)
+        rest = await round_trip(lim, clock, calls=36, ok=35)  # burst-fed: 35 served
+        clock.now += 0.01
+        rest[0].give_back("rate_limited", retry_after_s=0.01)
+        assert lim.limit == 28
+        clock.now += 0.1
+        grown = []
+        for _ in range(5):
+            await _window(lim, clock)
+            grown.append(lim.limit)
+        assert grown == [28, 28, 28, 29, 29]
 
     run(scenario())
 

@@ -5,7 +5,8 @@ Adaptive (`[loss] concurrency = "adaptive"`), one limiter per endpoint
 concurrency-limits:
 
 - slow start: the limit doubles after each window of successes (a window is
-  as many successes as the limit) until the first rate-limit episode;
+  as many successes as the limit) up to DOUBLE_UP_TO, then grows by half
+  (RFC 3742's limited slow start), until the first rate-limit episode;
 - then AIMD: one more after each window of successes, x0.8 on a 429 (or a
   503 that says Retry-After), once per rate-limit episode: the 429s of calls
   admitted under a limit already cut, or admitted within the longest wait
@@ -18,14 +19,17 @@ concurrency-limits:
   debounce there let a limit 25 % too high run into the wall for 15 s: 4-13 %
   of calls refused in the bench);
 - the first 429 ends slow start, and its cut also keeps no more calls than
-  the provider served in the last round trip, and no fewer than half (the
-  window before the doubling was all successes): TCP Westwood's estimate of
-  what got through, so one doubling past the wall is one episode, not two;
-- past the calls served in a round trip when the last cut came (the wall),
-  the limit grows by one every PROBE_WINDOWS windows, not every window (TCP
-  CUBIC's plateau): a provider's burst allowance hides a limit above its
-  rate until the burst is spent, so a quick climb past the wall meets it
-  far above (44 -> 52 at 40/s, then 8-18 429s an episode: 2 % of calls);
+  the provider served in the last round trip, and no fewer than the window
+  before the last growth (all successes): TCP Westwood's estimate of what
+  got through, so one step past the wall is one episode, not two;
+- from NEAR_WALL of the calls served in a round trip when the last cut
+  came (the wall), the limit grows by one every PROBE_WINDOWS windows, not
+  every window (TCP CUBIC's plateau): a provider's burst allowance hides a
+  limit above its rate until the burst is spent, so a quick climb past the
+  wall meets it far above (44 -> 52 at 40/s, then 8-18 429s an episode: 2 %
+  of calls). Slow start's last successes were fed by that burst: the wall
+  is then no higher than the cut (a climb 51 -> 56 on them refused 15 calls
+  in a second at 40/s);
 - a 5xx or a timeout pauses growth (the window of successes starts again)
   without shrinking: an overloaded server is not a rate limit;
 - a Retry-After holds every call of the endpoint back until it has passed,
@@ -82,10 +86,12 @@ from .llm_probe import PROBE_S, Probe, Prober
 
 OnChange = Callable[..., None]  # (event name, **fields)
 SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
+DOUBLE_UP_TO = 16  # slow start doubles the limit up to this, then grows it by half
 CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
 EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
-PROBE_WINDOWS = 4  # past the last wall, the limit grows by one every this many windows
+PROBE_WINDOWS = 4  # near the last wall, the limit grows by one every this many windows
+NEAR_WALL = 0.9  # "near": at this share of the wall or above
 
 
 @dataclass
@@ -141,6 +147,12 @@ class Episodes:
         self._wall, self._probes = served or None, 0
         return served
 
+    def lower_wall(self, limit: int) -> None:
+        """The wall is no higher than `limit` (what slow start's burst-fed
+        successes overstate)."""
+        if self._wall is not None:
+            self._wall = min(self._wall, limit)
+
     def restated(self, now: float, *, lower: bool) -> None:
         """The provider stated a new limit: what was served says nothing of it
         (no wall); a lower one is an episode for the calls admitted before."""
@@ -163,7 +175,7 @@ class Episodes:
 
     def may_grow(self, limit: int) -> bool:
         """After a window of successes: past the wall, one step every PROBE_WINDOWS."""
-        past = self._wall is not None and limit >= self._wall
+        past = self._wall is not None and limit >= self._wall * NEAR_WALL
         self._probes += 1
         if past and self._probes < PROBE_WINDOWS:
             return False
@@ -202,7 +214,7 @@ class Limiter:
         self._tokens_per_call = 0.0  # a running mean, for the remaining-tokens check
         self.stated = StatedLimits()  # the provider's limits, as its replies say them
         self.episodes = Episodes(keep=4 * self.ceiling + 16)
-        self._doubled = False  # slow start has doubled the limit: the half was all successes
+        self._grown_from: int | None = None  # slow start's last window, all successes
         self._since = Usage()  # counts at the last logged line (its counts are the change)
         # A refused key (quota, billing, auth): why, since when; None while it works.
         self.blocked: tuple[str, str] | None = None
@@ -363,9 +375,17 @@ class Limiter:
             return
         if not self.slow_start and not self.episodes.may_grow(self.limit):
             return
-        new = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + 1)
-        self._doubled = self.slow_start
+        new = min(self.ceiling, self._slow_start_step() if self.slow_start else self.limit + 1)
+        self._grown_from = self.limit if self.slow_start else None
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
+
+    def _slow_start_step(self) -> int:
+        """x2 up to DOUBLE_UP_TO, then x1.5 (RFC 3742's limited slow start): the
+        step that meets the wall overshoots it by half of it at most, not all of
+        it (a doubling 32 -> 64 against 40 at once refused 10-20 calls of 600)."""
+        if self.limit < DOUBLE_UP_TO:
+            return min(DOUBLE_UP_TO, self.limit * 2)
+        return self.limit + max(1, self.limit // 2)
 
     def _cut(self, generation: int, admitted_at: float, retry_after_s: float | None, *,
              settle_s: float | None) -> None:
@@ -384,8 +404,10 @@ class Limiter:
         served = self.episodes.begin(now, settle_s)
         self._successes = 0
         new = int(self.limit * CUT)
-        if slow_start and self._doubled:  # the doubling overshot: keep what got through,
-            new = min(new, max(self.limit // 2, served))  # at least the window before it
+        if slow_start and self._grown_from is not None:  # the growth overshot: keep what
+            new = min(new, max(self._grown_from, served))  # got through, at least the window
+            # before it. Served counts the provider's burst too: no higher wall than that.
+            self.episodes.lower_wall(new)
         self._set(max(self.floor, min(self.limit - 1, new)), "rate limited",
                   served_in_round_trip=served)
 
