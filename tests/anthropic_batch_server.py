@@ -116,6 +116,12 @@ class AnthropicBatchServer(LoopbackServer):
         self.headers_seen: list[dict[str, str]] = []
         self.refuse_key = False  # while set: every POST gets Anthropic's billing refusal
         self.key_refusals = 0
+        self.failing_creates = 0  # this many creates get a 500 (nothing created)
+        # With each failed create, another daemon on the same key creates a batch of
+        # as many requests, its custom_ids made the same way (a 16-hex nonce of its
+        # own, if they start with one): what a lost id's search may find.
+        self.impostor = False
+        self.impostors: list[str] = []  # the ids of those batches
 
     @property
     def url(self) -> str:
@@ -134,6 +140,20 @@ class AnthropicBatchServer(LoopbackServer):
             self.batches[batch.id] = batch
             self.creates += 1
             return batch.as_json(self.url)
+
+    def fails_create(self, body: dict[str, Any]) -> bool:
+        """A create to refuse with a 500 (and the impostor's batch made instead)."""
+        with self._lock:
+            if self.failing_creates <= 0:
+                return False
+            self.failing_creates -= 1
+        if self.impostor:
+            nonce = uuid.uuid4().hex[:16]
+            made = self.create({"requests": [
+                {**r, "custom_id": re.sub("^[0-9a-f]{16}-", f"{nonce}-", r["custom_id"])}
+                for r in body.get("requests", [])]})
+            self.impostors.append(made["id"])
+        return True
 
     def retrieve(self, batch_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -257,6 +277,10 @@ class _Handler(BaseHTTPRequestHandler):
             with owner._lock:
                 owner.live_requests += 1
             self._json(200, _message({"params": json.loads(raw or b"{}")}))
+        elif url.path == "/v1/messages/batches" and owner.fails_create(
+                json.loads(raw or b"{}")):
+            self._json(500, {"type": "error", "error": {"type": "api_error",
+                                                        "message": "Internal server error"}})
         elif url.path == "/v1/messages/batches":
             created = owner.create(json.loads(raw or b"{}"))
             if (hold := owner.plan.hold_after_create) is not None:

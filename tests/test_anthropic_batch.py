@@ -12,6 +12,7 @@ counted by the server.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -60,7 +61,11 @@ def test_a_step_goes_as_one_anthropic_batch_at_its_batch_price(
     wait_until(lambda: ws.events("step.reported"), 60, message="step.reported")
     assert server.creates == 1 and len(server.billed) == len(sets)
     requests = server.requests()
-    assert sorted(r["custom_id"] for r in requests) == [f"s{n:04d}" for n in range(len(sets))]
+    # Unique across every batch: one nonce for the batch, then the set's number.
+    (nonce,) = {r["custom_id"].split("-")[0] for r in requests}
+    assert re.fullmatch("[0-9a-f]{16}", nonce)
+    assert sorted(r["custom_id"] for r in requests) == [f"{nonce}-{n:04d}"
+                                                         for n in range(len(sets))]
     for request in requests:  # a live call's body, the key prefix cached for an hour
         params = request["params"]
         assert params["model"] == "claude-sonnet-4-6" and params["max_tokens"] > 0
@@ -111,6 +116,46 @@ def test_an_errored_item_is_retried_and_an_expired_one_sent_again_unpaid(
     (done,) = ws.events("batch.completed")[:1]
     assert done["replies"] == 1 and done["errors"] == 1 and done["unanswered"] == 1
     assert server.creates == 2  # the errored and the expired set went in the next batch
+
+
+def test_a_create_that_failed_adopts_no_other_records_batch(
+        tmp_path: Path, server: AnthropicBatchServer, start: Any) -> None:
+    """Two runs' steps of as many sets: the first create gets a 500 (nothing
+    made), and the search for it must not take the other run's batch, made
+    since, of the same size (it did: that run's replies became this run's
+    reports)."""
+    ws = workspace(tmp_path, server)
+    server.failing_creates = 1
+    ws.write_step("r1", 0, 0, success=True)
+    ws.write_step("r2", 0, 0, success=True)
+    start(ws)
+    done = lambda: all(ws.has_report(s) for run in ("r1", "r2")  # noqa: E731
+                       for s in ws.sets_of_step(run, 0, 0))
+    wait_until(done, 60, message="every set reported")
+    assert not ws.events("batch.submitted", recovered=True)
+    for run in ("r1", "r2"):
+        for s in ws.sets_of_step(run, 0, 0):
+            asked = [r["params"] for r in server.batches[ws.read_sidecar(s)["batch_id"]].requests]
+            assert all(run in json.dumps(params) for params in asked), (run, s.id)
+
+
+def test_a_batch_found_by_mistake_answers_none_of_the_sets(
+        tmp_path: Path, server: AnthropicBatchServer, start: Any) -> None:
+    """Another daemon on the same key makes a batch of as many requests just as
+    this one's create fails: the search adopts it (size and time are all the
+    API lets it match), and its results answer none of this batch's request
+    ids, so the sets go again and no report is another daemon's reply."""
+    ws = workspace(tmp_path, server)
+    server.failing_creates, server.impostor = 1, True
+    sets = ws.write_step("r1", 0, 0, success=True)
+    start(ws)
+    wait_until(lambda: finished(ws), 60, message="every set reported")
+    (adopted,) = ws.events("batch.submitted", recovered=True)
+    (impostor,) = server.impostors
+    assert adopted["batch_id"] == impostor
+    (answered_none,) = ws.events("batch.completed", batch_id=impostor)
+    assert answered_none["unanswered"] == len(sets) and answered_none["replies"] == 0
+    assert all(ws.read_sidecar(s)["batch_id"] != impostor for s in sets)
 
 
 @pytest.mark.slow

@@ -17,13 +17,14 @@ no attempt counted). Prices: the model's batch prices from litellm's cost map.
 
 The batch API takes no metadata, so a batch whose id a killed daemon never
 recorded is found by what its record knows: created after the record, with
-as many requests (`find`).
+as many requests, and no other record's (`find`); the request ids are unique
+across every batch, so one adopted by mistake answers none of the sets.
 """
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from ..core.config import LLMConfig
@@ -146,9 +147,13 @@ class AnthropicBatchAPI(BatchAPI):
     def cancel(self, batch_id: str) -> None:
         self._request("cancel", "POST", self._url(batch_id, "cancel"))
 
-    def find(self, key: str, created_after: float, requests: int) -> str | None:
+    def find(self, key: str, created_after: float, requests: int,
+             taken: Collection[str] = ()) -> str | None:
         """The batch a daemon killed before it saved the id created: the newest one
-        created since its record with as many requests (the API keeps no metadata)."""
+        created since its record with as many requests (the API keeps no metadata)
+        that no other record owns (`taken`). Size and time can still match another
+        daemon's batch on the same key: its request ids then answer none of ours
+        (batch_results: unique across every batch), and the sets are sent again."""
         after: str | None = None
         for _ in range(LIST_PAGES):
             params: dict[str, Any] = {"limit": LIST_PAGE, **({"after_id": after} if after else {})}
@@ -158,7 +163,8 @@ class AnthropicBatchAPI(BatchAPI):
                 created = _epoch(batch.get("created_at"))
                 if created is not None and created < created_after - CREATED_SLACK_S:
                     return None
-                if _total(batch.get("request_counts") or {}) == requests:
+                if _total(batch.get("request_counts") or {}) == requests \
+                        and str(batch["id"]) not in taken:
                     return str(batch["id"])
             if not data or not page.get("has_more"):
                 return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,15 +190,18 @@ class BatchAPI:
     def cancel(self, batch_id: str) -> None:
         self._call("cancel", lambda c: c.batches.cancel(batch_id))
 
-    def find(self, key: str, created_after: float, requests: int) -> str | None:
-        """The id of the batch we created with metadata skilltrain_key=key, if any."""
+    def find(self, key: str, created_after: float, requests: int,
+             taken: Collection[str] = ()) -> str | None:
+        """The id of the batch we created with metadata skilltrain_key=key, if any
+        (none of `taken`, the batches other records own)."""
         after: str | None = None
         for _ in range(LIST_PAGES):
             page = self._call("list", lambda c, a=after: c.batches.list(  # type: ignore[misc]
                 limit=LIST_PAGE, **({"after": a} if a else {})))
             data = list(getattr(page, "data", None) or [])
             for batch in data:
-                if (getattr(batch, "metadata", None) or {}).get("skilltrain_key") == key:
+                if (getattr(batch, "metadata", None) or {}).get("skilltrain_key") == key \
+                        and str(batch.id) not in taken:
                     return str(batch.id)
             if not data or not getattr(page, "has_more", False):
                 return None

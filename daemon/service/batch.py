@@ -80,7 +80,8 @@ class Batcher:
         self.results = Results(cfg, emit, api=self.api, pipeline=pipeline,
                                finish_paid=live.finish_paid, save=self._save,
                                closed=self._closed, clock=wall_clock,
-                               refused_key=live.refused_key, refuse_key=live.refuse_key)
+                               refused_key=live.refused_key, refuse_key=live.refuse_key,
+                               taken=self._batch_ids)
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._gathering: dict[layout.StepKey, tuple[float, dict[str, Waiting]]] = {}
@@ -238,6 +239,11 @@ class Batcher:
             self._interval[rec.key] = self.cfg.llm.batch_poll_s
             self._next_poll[rec.key] = self.clock() + self.cfg.llm.batch_poll_s
         return rec
+
+    def _batch_ids(self) -> set[str]:
+        """The provider batches our open records own: none is another's to adopt."""
+        with self._lock:
+            return {rec.batch_id for rec in self._records.values() if rec.batch_id}
 
     def _save(self, rec: BatchRecord) -> None:
         with self._lock:

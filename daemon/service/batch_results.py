@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -69,7 +70,8 @@ class Results:
                  closed: Callable[[BatchRecord], None],
                  clock: Callable[[], float] = time.time,
                  refused_key: Callable[[], LLMError | None] = lambda: None,
-                 refuse_key: Callable[[str, str], None] = lambda kind, said: None) -> None:
+                 refuse_key: Callable[[str, str], None] = lambda kind, said: None,
+                 taken: Callable[[], set[str]] = set) -> None:
         self.cfg = cfg
         self.runs = cfg.paths.runs
         self.emit = emit
@@ -81,6 +83,7 @@ class Results:
         self.clock = clock  # wall clock: submitted_at and a retry's time are kept
         # The key refused (why, or None); saying so blocks the endpoint, as live.
         self.refused_key, self.refuse_key = refused_key, refuse_key
+        self.taken = taken  # the batch ids open records own (not another's to adopt)
         self._lock = threading.Lock()
         self._live: set[str] = set()  # set ids to send live once
         self.key_at_provider = KeyAtProvider(emit)  # runs told where their key now is
@@ -137,6 +140,9 @@ class Results:
         items: list[BatchItem] = []
         lines: list[str] = []
         refused = self.refused_key()
+        # Request ids unique across every batch: a batch adopted by mistake (Anthropic's
+        # are found by size and time alone) answers none of this one's sets.
+        nonce = uuid.uuid4().hex[:16]
         for n, (ticket, outcome) in enumerate(waiting):
             self._carry(ticket, outcome)
             # Gathered before the key was refused: not uploaded, its retired report tried.
@@ -153,7 +159,7 @@ class Results:
             if (done := reused or hold) is not None:  # its retired report is back, or held
                 self._decided(ticket.key.id, done)
                 continue
-            custom_id = f"s{n:04d}"
+            custom_id = f"{nonce}-{n:04d}"
             items.append(BatchItem(custom_id, ticket.key.id, prepared.hashes.as_dict(),
                                    ticket.fp.as_json(), ticket.attempts))
             lines.append(self.api.request_line(custom_id, prepared.messages, self.cfg.llm,
@@ -211,7 +217,8 @@ class Results:
     def resolve_submitting(self, rec: BatchRecord) -> None:
         """A record saved but no batch id: did the provider create it? Adopt or resend."""
         try:
-            batch_id = self.api.find(rec.key, rec.created_at, len(rec.items))
+            batch_id = self.api.find(rec.key, rec.created_at, len(rec.items),
+                                     taken=self.taken())
         except BatchAPIError as e:
             self.emit("batch.error", level="warning", run=rec.run, step=rec.step, error=str(e))
             return
