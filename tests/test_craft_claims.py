@@ -320,6 +320,17 @@ READ_AS = {  # value -> the model's direction
     "human higher": "lower",
     "the human's is much lower": "higher",
     "human 5.2, model 21.8: higher": "higher",
+    # The human's side in another clause, or as what the model is compared with
+    # (each was read the other way round: a wrong claim so written was confirmed).
+    "lower while the original leans on action lines": "lower",
+    "higher whereas the human script stays terse": "higher",
+    "higher and the original is terse": "higher",
+    "the model outpaces the human original (higher)": "higher",
+    "above the human's (higher)": "higher",
+    "similar to the original": "similar",
+    "while the original's is lower, the model's is higher": "higher",
+    "for the human it is lower": "higher",
+    "higher overall in the original": "lower",
 }
 
 
@@ -364,6 +375,23 @@ def test_an_honest_list_is_not_flagged_however_it_is_written(
     assert check.malformed == () and check.counts["confirmed"] == confirmed
     assert check.contradicted == ()  # annotate mode: nothing appended
     assert not check.too_contradicted(craft_claims.REFUSE_SHARE)  # refuse mode: written
+
+
+@pytest.mark.parametrize("value", ["here the human's is higher", "higher the original",
+                                   "then the original's is higher"])
+def test_a_direction_beside_the_human_side_in_no_known_role_is_malformed(value: str) -> None:
+    # Neither its subject nor what the model is measured against: read either
+    # way, a wrong claim could be confirmed; unreadable, the report says so.
+    claims = read_claims(f"## Claims\n- speech_words_mean: {value}\n")
+    assert claims.claims == () and [n for n, _ in claims.malformed] == [2]
+
+
+def test_a_wrong_claim_beside_a_clause_on_the_original_is_contradicted(stats: tuple) -> None:
+    truth = dict(_truth(stats))
+    wrong = [f"- {s}: {FLIP[truth[s]]} while the original leans on action lines"
+             for s in ("speech_words_mean", "scenes_per_episode")]
+    check = check_report("## Claims\n" + "\n".join(wrong) + "\n", *stats)
+    assert check.counts["contradicted"] == 2 and check.counts["confirmed"] == 0
 
 
 def test_wrong_claims_said_against_the_original_are_contradicted(stats: tuple) -> None:

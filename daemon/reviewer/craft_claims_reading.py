@@ -83,11 +83,26 @@ _NEGATION = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent"})
 # or a wrong claim could hide there.
 _HUMAN = frozenset({"human", "humans", "original", "originals"})
 _INVERSE = {"higher": "lower", "lower": "higher", "similar": "similar"}
-# ...but after one of these it is only what the model is measured against:
-# "compared with the human original, higher" is the model's direction.
-_AGAINST = frozenset({"with", "to", "than", "against", "versus", "vs", "unlike",
-                      "over", "from", "relative", "compared", "beside"})
-_ARTICLES = frozenset({"the", "a", "an", "its", "their"})  # skipped back to _AGAINST
+# The human's side is the subject first in its clause, after a word that
+# starts a new subject ("while the original's is higher") or as the place a
+# direction is said of ("higher in the original", "for the human it is").
+# After one of _AGAINST it is what the model is measured against ("compared
+# with the original", "above the human's", "outpaces the original"); after a
+# direction, a new subject's clause ("lower while the original leans on
+# action lines") says nothing of the model's. After any other word its role
+# is a guess: the claim is unreadable, not read one way (a wrong claim read
+# backwards is confirmed).
+_NEW_SUBJECT = frozenset({"while", "whilst", "whereas", "but", "and", "though", "although",
+                          "yet"})
+_PLACE = frozenset({"for", "in", "on", "at", "among", "within"})
+_AGAINST = frozenset({"with", "to", "than", "against", "versus", "vs", "unlike", "over",
+                      "from", "relative", "compared", "beside", "as", "like", "above",
+                      "below", "under", "beyond", "behind", "ahead", "past", "exceeds",
+                      "exceed", "outpaces", "outpace", "outstrips", "surpasses", "trails",
+                      "trail", "tops"})
+# Skipped back to the word that says the human's side's role: articles, "'s".
+_ARTICLES = frozenset({"the", "a", "an", "its", "their", "s"})
+AMBIGUOUS = "ambiguous"  # _said: a direction said beside the human's side, role unknown
 # A parenthesis is commentary on the claim beside it: "similar (slightly higher)".
 _ASIDE = re.compile(r"\([^()]*\)?|\[[^\[\]]*\]?")
 # Where a clause ends, in textnorm's reading: "compared with the original, higher".
@@ -270,6 +285,9 @@ def _direction(value: str, meaning: dict[str, str]) -> str:
     said = _said(_ASIDE.sub(",", value), meaning) or _said(value, meaning)
     if not said:
         return "the direction must be higher, lower or similar"
+    if AMBIGUOUS in said:
+        return ("the human's side beside the direction: say it of the model ('higher'), "
+                "or against the human's ('higher than the original')")
     claimed = {d for d in said if d is not None}
     if not claimed:
         return "a direction negated, none claimed"
@@ -293,32 +311,43 @@ def _said(text: str, meaning: dict[str, str]) -> list[str | None]:
             word = meaning[words[i]]
             if _NEGATION.intersection(before):
                 said.append(None)
-            elif _of_the_human(before) or _for_the_human(after):
-                said.append(_INVERSE[word])
+            elif (human := _of_the_human(before)) is None or (
+                    human is False and (human := _for_the_human(after)) is None):
+                said.append(AMBIGUOUS)
             else:
-                said.append(word)
+                said.append(_INVERSE[word] if human else word)
     return said
 
 
-def _of_the_human(words: list[str]) -> bool:
-    """These words have the human's side for their subject ("the human's is",
-    "human"), not as what the model is compared with ("compared with the human")."""
+def _of_the_human(words: list[str]) -> bool | None:
+    """These words before a direction have the human's side for their subject
+    ("the human's is", "human", "while the original's is", "for the human it
+    is"): True; only as what the model is compared with ("compared with the
+    human", "above the human's"), or not at all: False; None: its role unknown."""
     before = ""  # the last word before it, articles and the human's own words skipped
     for word in words:
-        if word in _HUMAN and before not in _AGAINST:
-            return True
-        if word not in _HUMAN and word not in _ARTICLES:
+        if word in _HUMAN:
+            if not before or before in _NEW_SUBJECT or before in _PLACE:
+                return True
+            if before not in _AGAINST:
+                return None
+        elif word not in _ARTICLES:
             before = word
     return False
 
 
-def _for_the_human(words: list[str]) -> bool:
+def _for_the_human(words: list[str]) -> bool | None:
     """The words after a direction say it of the human's side ("lower for the
-    human", "higher in the original"), not what the model is measured against
-    ("higher than in the original")."""
+    human", "higher in the original"): True; not (what the model is measured
+    against, "higher than in the original"; another clause, "lower while the
+    original ..."; no human's side): False; None: the human's side after
+    another word ("higher the original")."""
+    before = ""
     for word in words:
-        if word in _AGAINST or word in _NEGATION:
+        if word in _AGAINST or word in _NEW_SUBJECT or word in _NEGATION:
             return False
         if word in _HUMAN:
-            return True
+            return True if before in _PLACE else None
+        if word not in _ARTICLES:
+            before = word
     return False
