@@ -138,6 +138,7 @@ class BatchServer(LoopbackServer):
         self.uploads = 0
         self.creates = 0
         self.reject_creates = 0  # the next this many creates get HTTP 400 (not accepted)
+        self.deleted = 0  # files deleted (DELETE /v1/files/<id>)
         self.refuse_key = False  # while set: every request gets 429 insufficient_quota
         self.key_refusals = 0
         self.rejected = 0
@@ -169,6 +170,13 @@ class BatchServer(LoopbackServer):
             self.uploads += 1
         return {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
                 "filename": "input.jsonl", "purpose": "batch", "status": "processed"}
+
+    def delete(self, file_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            if self.files.pop(file_id, None) is None:
+                return None
+            self.deleted += 1
+        return {"id": file_id, "object": "file", "deleted": True}
 
     def create(self, body: dict[str, Any]) -> dict[str, Any] | None:
         with self._lock:
@@ -287,6 +295,7 @@ class BatchServer(LoopbackServer):
 _BATCH = re.compile(r"/v1/batches/([^/]+)$")
 _CANCEL = re.compile(r"/v1/batches/([^/]+)/cancel$")
 _CONTENT = re.compile(r"/v1/files/([^/]+)/content$")
+_FILE = re.compile(r"/v1/files/([^/]+)$")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -370,6 +379,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, owner.chat(json.loads(raw or b"{}")))
         else:
             self._missing()
+
+
+    def do_DELETE(self) -> None:
+        url = urlparse(self.path)
+        m = _FILE.fullmatch(url.path)
+        found = self.owner.delete(m.group(1)) if m else None
+        self._json(200, found) if found else self._missing()
 
 
 def _multipart_file(content_type: str, raw: bytes) -> bytes:

@@ -9,6 +9,7 @@ and a changed input discards the reply.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,15 @@ def server() -> Iterator[BatchServer]:
         yield s
 
 
+def request_numbers(server: BatchServer) -> list[str]:
+    """The requests' numbers in their one batch: custom_ids are `<nonce>-<n>`, the
+    nonce the batch's own (unique across batches: batch_results.submit)."""
+    ids = [line["custom_id"] for line in server.request_lines()]
+    (nonce,) = {i.split("-")[0] for i in ids}
+    assert re.fullmatch("[0-9a-f]{16}", nonce)
+    return sorted(i.split("-")[1] for i in ids)
+
+
 def workspace(tmp_path: Path, server: BatchServer, *, model: str = PRICED,
               run_toml: dict[str, str] | None = None, max_attempts: int = 5,
               retry_backoff_s: float = 0.2, **llm: Any) -> Workspace:
@@ -67,8 +77,7 @@ def test_a_step_goes_as_one_batch_priced_at_the_batch_price(
     d = start(ws)
     wait_until(lambda: ws.events("step.reported"), 60, message="step.reported")
     assert server.creates == 1 and server.live_requests == 0
-    assert sorted(line["custom_id"] for line in server.request_lines()) == [
-        f"s{n:04d}" for n in range(len(sets))]
+    assert request_numbers(server) == [f"{n:04d}" for n in range(len(sets))]
     batch_id = server.batch_list()[0].id
     from skilltrain.daemon.infra import llm
 
@@ -96,7 +105,7 @@ def test_per_run_mode_in_run_toml(tmp_path: Path, server: BatchServer, start: An
     start(ws)
     wait_until(lambda: len(ws.events("step.reported")) == 2, 60, message="both steps")
     assert server.creates == 1
-    assert {line["custom_id"] for line in server.request_lines()} == {"s0000", "s0001", "s0002"}
+    assert request_numbers(server) == ["0000", "0001", "0002"]
     assert server.live_requests == 3  # the urgent run's three sets
     assert all(ws.read_sidecar(s).get("mode") == "batch" for s in ws.sets_of_step("cheap", 0, 0))
     assert all("mode" not in ws.read_sidecar(s) for s in ws.sets_of_step("urgent", 0, 0))
@@ -176,6 +185,10 @@ def test_a_batch_never_accepted_gives_up_after_max_attempts(
     assert "not accepted" in gave_up["error"]
     assert stays(lambda: server.rejected == 2, 1.5)  # no third batch by itself
     assert not any(ws.has_report(s) for s in sets)
+    # Each upload no batch reads is deleted, and the run is told its key went there.
+    assert server.uploads == server.deleted == 2 and server.files == {}
+    (said,) = ws.events("batch.key_at_provider")
+    assert said["run"] == "r1" and said["provider"] == "openai"
 
 
 def test_a_refused_batch_counts_against_max_attempts_across_a_restart(

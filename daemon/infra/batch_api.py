@@ -45,7 +45,13 @@ RETENTION = ("the input and output files (the prompts, so the answer key, and th
 
 class BatchAPIError(LLMError):
     """A files or batches call failed; the message is guarded. `blocked`: the
-    provider refuses the key itself (quota, billing, auth: llm_errors.refused_key)."""
+    provider refuses the key itself (quota, billing, auth: llm_errors.refused_key).
+    `sent`: the prompts (so the answer key) reached the provider all the same
+    (an input file uploaded before the create failed)."""
+
+    def __init__(self, message: str, *, blocked: str | None = None, sent: bool = False) -> None:
+        super().__init__(message, blocked=blocked)
+        self.sent = sent
 
 
 @dataclass(frozen=True)
@@ -178,10 +184,23 @@ class BatchAPI:
         data = ("\n".join(lines) + "\n").encode("utf-8")
         uploaded = self._call("upload", lambda c: c.files.create(
             file=("skilltrain-batch.jsonl", data), purpose="batch"))
-        batch = self._call("create", lambda c: c.batches.create(
-            completion_window=COMPLETION_WINDOW, endpoint=ENDPOINT,
-            input_file_id=uploaded.id, metadata=metadata))
+        try:
+            batch = self._call("create", lambda c: c.batches.create(
+                completion_window=COMPLETION_WINDOW, endpoint=ENDPOINT,
+                input_file_id=uploaded.id, metadata=metadata))
+        except BatchAPIError as e:
+            # No batch will read the file: it would only keep the key there.
+            raise BatchAPIError(f"{e}{self._delete_input(str(uploaded.id))}",
+                                blocked=e.blocked, sent=True) from None
         return str(batch.id)
+
+    def _delete_input(self, file_id: str) -> str:
+        """Delete an input file no batch reads; what to add to the error if it stays."""
+        try:
+            self._call("delete", lambda c: c.files.delete(file_id))
+        except BatchAPIError as e:
+            return f"; its input file {file_id} is left at the provider ({e})"
+        return ""
 
     def retrieve(self, batch_id: str) -> BatchStatus:
         return _status(self._call("poll", lambda c: c.batches.retrieve(batch_id)),

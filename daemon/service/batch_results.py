@@ -175,6 +175,9 @@ class Results:
         try:
             batch_id = self.api.submit(lines, metadata)
         except BatchAPIError as e:
+            if e.sent:  # uploaded, then the create failed: the key went there all the same
+                self.key_at_provider.sent(rec.run, provider=self.api.PROVIDER,
+                                          retention=self.api.RETENTION, via="batch")
             if e.blocked:  # the key refused: no batch was made, the sets wait for the key
                 self._refused(rec, e.blocked, str(e))
                 return
