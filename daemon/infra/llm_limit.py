@@ -13,7 +13,7 @@ concurrency-limits:
   the cutting 429 stated (at most EPISODE_S, EPISODE_S when it stated none),
   or back within a success's round trip of the cut, are the same episode,
   not a collapse to the floor (inspect_ai's adaptive connections: x0.8,
-  15 s; Episodes below). A provider whose bucket refills in 25 ms shows
+  15 s; llm_episodes.py). A provider whose bucket refills in 25 ms shows
   within a round trip whether the cut was enough, and a call admitted under
   the cut limit that is still refused then says it was not (a flat 15 s
   debounce there let a limit 25 % too high run into the wall for 15 s: 4-13 %
@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -80,6 +79,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import LLMError
+from .llm_episodes import Episodes
 from .llm_headers import RateWindow, StatedLimits, read_rate_headers, refill_s
 from .llm_pace import RatePacer
 from .llm_probe import PROBE_S, Probe, Prober
@@ -88,10 +88,7 @@ OnChange = Callable[..., None]  # (event name, **fields)
 SLOW_START_LIMIT = 4  # where an adaptive limit starts (within its floor and ceiling)
 DOUBLE_UP_TO = 16  # slow start doubles the limit up to this, then grows it by half
 CUT = 0.8  # a rate-limit episode's cut (inspect_ai's adaptive connections)
-EPISODE_S = 15.0  # 429s within this long of a cut are the same episode
 MAX_HOLD_S = 300.0  # a reset header further out than this is not believed
-PROBE_WINDOWS = 4  # near the last wall, the limit grows by one every this many windows
-NEAR_WALL = 0.9  # "near": at this share of the wall or above
 
 
 @dataclass
@@ -105,82 +102,13 @@ class Usage:
     held_s: float = 0.0  # seconds of those holds
 
 
-class Episodes:
-    """Which 429s are one rate-limit episode, and what the provider served.
-
-    A cut begins an episode and a generation. A later 429 is the same
-    episode when its call was admitted under an older generation, or within
-    the settling time after the cut (the longest wait the cutting 429
-    stated: Retry-After, the requests' or the tokens' reset; at most
-    EPISODE_S, EPISODE_S when it stated none: before the provider could
-    refill, a refusal says nothing of the new limit), or when it comes back
-    less than a success's round trip after the cut (one cut a round trip at
-    most, as TCP: a provider refusing every call with `Retry-After: 0` in
-    50 ms must not take the limit to the floor in a second).
-    Successes are kept by when they came back, with a running mean of their
-    round trip: the calls at once the provider served in the last round trip
-    (TCP Westwood's estimate), and, read when a cut comes, the wall past
-    which the limit only probes.
-    """
-
-    def __init__(self, keep: int) -> None:
-        self.generation = 0
-        self._cut_at: float | None = None
-        self._settle_s = EPISODE_S
-        self._ok_at: deque[float] = deque(maxlen=keep)
-        self._round_trip_s: float | None = None
-        self._wall: int | None = None  # calls served in a round trip when the last cut came
-        self._probes = 0  # windows of successes past that wall since the limit last grew
-
-    def same(self, generation: int, admitted_at: float, now: float) -> bool:
-        if generation != self.generation or self._cut_at is None:
-            return generation != self.generation
-        return (admitted_at < self._cut_at + self._settle_s
-                or now < self._cut_at + (self._round_trip_s or 0.0))
-
-    def begin(self, now: float, settle_s: float | None) -> int:
-        """A new episode; the calls served in the last round trip."""
-        self.generation += 1
-        self._cut_at = now
-        self._settle_s = EPISODE_S if settle_s is None else min(EPISODE_S, max(0.0, settle_s))
-        served = self.served(now)
-        self._wall, self._probes = served or None, 0
-        return served
-
-    def lower_wall(self, limit: int) -> None:
-        """The wall is no higher than `limit` (what slow start's burst-fed
-        successes overstate)."""
-        if self._wall is not None:
-            self._wall = min(self._wall, limit)
-
-    def restated(self, now: float, *, lower: bool) -> None:
-        """The provider stated a new limit: what was served says nothing of it
-        (no wall); a lower one is an episode for the calls admitted before."""
-        if lower:
-            self.generation += 1
-            self._cut_at, self._settle_s = now, EPISODE_S
-        self._wall, self._probes = None, 0
-
-    def success(self, now: float, round_trip_s: float | None) -> None:
-        self._ok_at.append(now)
-        if round_trip_s is not None and round_trip_s >= 0:
-            mean = self._round_trip_s
-            self._round_trip_s = round_trip_s if mean is None \
-                else mean + (round_trip_s - mean) * 0.1
-
-    def served(self, now: float) -> int:
-        """Successes in the last round trip: the calls at once the provider just served."""
-        since = now - (self._round_trip_s or 0.0)
-        return sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._ok_at)))
-
-    def may_grow(self, limit: int) -> bool:
-        """After a window of successes: past the wall, one step every PROBE_WINDOWS."""
-        past = self._wall is not None and limit >= self._wall * NEAR_WALL
-        self._probes += 1
-        if past and self._probes < PROBE_WINDOWS:
-            return False
-        self._probes = 0
-        return True
+def slow_start_step(limit: int) -> int:
+    """x2 up to DOUBLE_UP_TO, then x1.5 (RFC 3742's limited slow start): the step
+    that meets the wall overshoots it by half of it at most, not all of it (a
+    doubling 32 -> 64 against 40 at once refused 10-20 calls of 600)."""
+    if limit < DOUBLE_UP_TO:
+        return min(DOUBLE_UP_TO, limit * 2)
+    return limit + max(1, limit // 2)
 
 
 def _longest_wait(window: RateWindow, retry_after_s: float | None) -> float | None:
@@ -375,23 +303,15 @@ class Limiter:
             return
         if not self.slow_start and not self.episodes.may_grow(self.limit):
             return
-        new = min(self.ceiling, self._slow_start_step() if self.slow_start else self.limit + 1)
+        new = min(self.ceiling, slow_start_step(self.limit) if self.slow_start else self.limit + 1)
         self._grown_from = self.limit if self.slow_start else None
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
-
-    def _slow_start_step(self) -> int:
-        """x2 up to DOUBLE_UP_TO, then x1.5 (RFC 3742's limited slow start): the
-        step that meets the wall overshoots it by half of it at most, not all of
-        it (a doubling 32 -> 64 against 40 at once refused 10-20 calls of 600)."""
-        if self.limit < DOUBLE_UP_TO:
-            return min(DOUBLE_UP_TO, self.limit * 2)
-        return self.limit + max(1, self.limit // 2)
 
     def _cut(self, generation: int, admitted_at: float, retry_after_s: float | None, *,
              settle_s: float | None) -> None:
         """A 429 of a call admitted at `admitted_at`: hold for its Retry-After
         (`retry_after_s`) and, once per episode, cut the limit; `settle_s`: the
-        longest wait it stated, how soon a cut can show (Episodes)."""
+        longest wait it stated, how soon a cut can show (llm_episodes)."""
         slow_start, self.slow_start = self.slow_start, False
         if retry_after_s is not None and retry_after_s > 0:
             self._hold(retry_after_s, "Retry-After")
@@ -406,8 +326,7 @@ class Limiter:
         new = int(self.limit * CUT)
         if slow_start and self._grown_from is not None:  # the growth overshot: keep what
             new = min(new, max(self._grown_from, served))  # got through, at least the window
-            # before it. Served counts the provider's burst too: no higher wall than that.
-            self.episodes.lower_wall(new)
+            self.episodes.lower_wall(new)  # before it; a burst fed it: no wall above the cut
         self._set(max(self.floor, min(self.limit - 1, new)), "rate limited",
                   served_in_round_trip=served)
 

@@ -239,30 +239,10 @@ class Results:
         self._not_accepted(rec, rec.create_error)
 
     def _not_accepted(self, rec: BatchRecord, error: str) -> None:
-        """The provider did not accept the batch: one more attempt of each set (kept
-        in the state, so a restart goes on counting), which waits the loss jobs'
-        backoff, or gives up at [loss] max_attempts like a call that keeps failing."""
-        gave_up = 0
-        # One wait per count: the sets of a refused batch go back together (one batch).
-        waits: dict[int, float] = {}
-        for item in rec.items:
-            key = layout.SetKey.parse(item.set_id)
-            if key is None:
-                continue
-            refused = item.attempts + 1
-            if refused >= self.cfg.loss.max_attempts:
-                gave_up += 1
-                retry_at = None
-                reason = f"gave up after {refused} batches the provider did not accept: {error}"
-            else:
-                if refused not in waits:
-                    waits[refused] = backoff.loss_job(self.cfg).delay_s(refused)
-                retry_at = self.clock() + waits[refused]
-                reason = f"the provider did not accept its batch ({error}); sent again soon"
-            self._decided(item.set_id, Decision.write(
-                SetState.FAILED, reason=reason, attempts=refused, next_retry_at=retry_at,
-                fingerprint=item.fingerprint,
-                revisit=None if retry_at is None else Revisit(key, retry_at, Why.RETRY)))
+        """The provider did not accept the batch: each set decided (not_accepted)."""
+        decisions, gave_up = not_accepted(rec.items, error, self.cfg, self.clock())
+        for set_id, decision in decisions:
+            self._decided(set_id, decision)
         if gave_up:  # said once its sets are recorded as failed
             self.emit("batch.gave_up", level="error", run=rec.run, step=rec.step,
                       sets=gave_up, attempts=max(item.attempts + 1 for item in rec.items),
@@ -380,6 +360,37 @@ class Results:
     def _give_back(self, set_id: str, reason: str) -> None:
         key = layout.SetKey.parse(set_id)
         self._decided(set_id, back(key, reason) if key is not None else NOTHING)
+
+
+def not_accepted(items: list[BatchItem], error: str, cfg: config.Config,
+                 now: float) -> tuple[list[tuple[str, Decision]], int]:
+    """The sets of a batch the provider did not accept: one more attempt of each
+    (kept in the state, so a restart goes on counting), which waits the loss
+    jobs' backoff, or gives up at [loss] max_attempts like a call that keeps
+    failing. Each set's Decision, and how many gave up."""
+    decisions: list[tuple[str, Decision]] = []
+    gave_up = 0
+    # One wait per count: the sets of a refused batch go back together (one batch).
+    waits: dict[int, float] = {}
+    for item in items:
+        key = layout.SetKey.parse(item.set_id)
+        if key is None:
+            continue
+        refused = item.attempts + 1
+        if refused >= cfg.loss.max_attempts:
+            gave_up += 1
+            retry_at = None
+            reason = f"gave up after {refused} batches the provider did not accept: {error}"
+        else:
+            if refused not in waits:
+                waits[refused] = backoff.loss_job(cfg).delay_s(refused)
+            retry_at = now + waits[refused]
+            reason = f"the provider did not accept its batch ({error}); sent again soon"
+        decisions.append((item.set_id, Decision.write(
+            SetState.FAILED, reason=reason, attempts=refused, next_retry_at=retry_at,
+            fingerprint=item.fingerprint,
+            revisit=None if retry_at is None else Revisit(key, retry_at, Why.RETRY))))
+    return decisions, gave_up
 
 
 def held(key: layout.SetKey, runs: Path, why: LLMError, attempts: int) -> Decision:
