@@ -331,6 +331,15 @@ READ_AS = {  # value -> the model's direction
     "while the original's is lower, the model's is higher": "higher",
     "for the human it is lower": "higher",
     "higher overall in the original": "lower",
+    "lower but only for the human": "higher",
+    "higher and notably so in the original": "lower",
+    "higher, where the original is lower": "higher",
+    "matches the original (similar)": "similar",
+    # "more", "less", "fewer" of a count, or alone; more of the size words.
+    "more scenes than the original": "higher",
+    "much less": "lower",
+    "greater than the human's": "higher",
+    "smaller": "lower",
 }
 
 
@@ -378,12 +387,26 @@ def test_an_honest_list_is_not_flagged_however_it_is_written(
 
 
 @pytest.mark.parametrize("value", ["here the human's is higher", "higher the original",
-                                   "then the original's is higher"])
+                                   "then the original's is higher",
+                                   # a manner, not a number: often the opposite
+                                   "more clipped than the human's", "more sparing",
+                                   "more evenly spread across the cast",
+                                   # negations as contractions
+                                   "the model's speeches don't run longer",
+                                   "the model didn't use fewer scenes", "hardly higher"])
 def test_a_direction_beside_the_human_side_in_no_known_role_is_malformed(value: str) -> None:
     # Neither its subject nor what the model is measured against: read either
     # way, a wrong claim could be confirmed; unreadable, the report says so.
     claims = read_claims(f"## Claims\n- speech_words_mean: {value}\n")
     assert claims.claims == () and [n for n, _ in claims.malformed] == [2]
+
+
+def test_the_human_side_in_the_name_is_read_or_the_line_is_malformed() -> None:
+    claims = read_claims("## Claims\n- speech_words_mean of the original: lower\n"
+                         "- Per the original, scenes_per_episode: lower\n")
+    assert [(c.statistic, c.direction) for c in claims.claims] == [
+        ("speech_words_mean", "higher")]
+    assert [n for n, _ in claims.malformed] == [3]
 
 
 def test_a_wrong_claim_beside_a_clause_on_the_original_is_contradicted(stats: tuple) -> None:

@@ -27,7 +27,16 @@ DIRECTIONS = ("higher", "lower", "similar")
 # The prompt's own words for a direction (prompts/loss.md.j2: "longer,
 # shorter, more, fewer"), and "the same", "about the same", "equal".
 _SYNONYMS = {"longer": "higher", "more": "higher", "shorter": "lower", "fewer": "lower",
-             "same": "similar", "equal": "similar"}
+             "less": "lower", "greater": "higher", "larger": "higher", "bigger": "higher",
+             "smaller": "lower", "same": "similar", "equal": "similar"}
+# "more", "less", "fewer" say how much only alone, before "than" or "of", or
+# before what the statistics count ("more scenes"); before any other word they
+# are a manner ("more clipped", "more sparing", "more evenly spread"), which
+# says nothing of the number, often the opposite: unreadable, not "higher".
+_QUANTIFIERS = frozenset({"more", "less", "fewer"})
+_COUNTED = frozenset({"than", "of", "scenes", "scene", "speeches", "speech", "words", "word",
+                      "dialogue", "parentheticals", "questions", "exclamations",
+                      "exclamation", "transitions", "characters", "speakers", "lines"})
 _PLAIN = {d: d for d in DIRECTIONS}
 _DIRECTION_WORDS = {**_PLAIN, **_SYNONYMS}
 # A label's note and its part after a comma are dropped in writing: "Words
@@ -77,7 +86,10 @@ _SEPARATOR = re.compile(r"[:=|]|\s-+|-+\s|--+|\b(?:is|are)\b", re.IGNORECASE)
 _DASH = re.compile(rf"-+(?=[^-]*?\b(?:{'|'.join(DIRECTIONS)})\b)", re.IGNORECASE)
 # Words that, before a direction in its clause, deny it: "higher, not lower as
 # the draft suggests" claims higher; "not higher" alone claims nothing.
-_NEGATION = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent"})
+_NEGATION = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent", "wasnt",
+                       "werent", "dont", "doesnt", "didnt", "wont", "cant", "cannot",
+                       "couldnt", "hasnt", "havent", "hadnt", "shouldnt", "wouldnt",
+                       "hardly", "barely", "scarcely", "without", "nothing", "none"})
 # The human's side as the subject ("the human's is higher", "human higher",
 # "lower for the human"): the model's is the other way, read so and checked,
 # or a wrong claim could hide there.
@@ -93,8 +105,8 @@ _INVERSE = {"higher": "lower", "lower": "higher", "similar": "similar"}
 # is a guess: the claim is unreadable, not read one way (a wrong claim read
 # backwards is confirmed).
 _NEW_SUBJECT = frozenset({"while", "whilst", "whereas", "but", "and", "though", "although",
-                          "yet"})
-_PLACE = frozenset({"for", "in", "on", "at", "among", "within"})
+                          "yet", "where", "when", "since", "because", "so"})
+_PLACE = frozenset({"for", "in", "on", "at", "among", "within", "of"})
 _AGAINST = frozenset({"with", "to", "than", "against", "versus", "vs", "unlike", "over",
                       "from", "relative", "compared", "beside", "as", "like", "above",
                       "below", "under", "beyond", "behind", "ahead", "past", "exceeds",
@@ -229,7 +241,9 @@ def _read_line(line: str, number: int) -> Claim | str:
         return direction
     if not read:
         return "no statistic named"
-    if _of_the_human(read):  # "The human's speech_words_mean is lower"
+    if (human := _of_the_human(read)) is None and direction != "similar":
+        return "the human's side in the name in no role a reader can tell"
+    if human:  # "The human's speech_words_mean is lower"
         direction = _INVERSE[direction]
     if len(named) > 1:
         return "more than one statistic named"
@@ -286,8 +300,8 @@ def _direction(value: str, meaning: dict[str, str]) -> str:
     if not said:
         return "the direction must be higher, lower or similar"
     if AMBIGUOUS in said:
-        return ("the human's side beside the direction: say it of the model ('higher'), "
-                "or against the human's ('higher than the original')")
+        return ("a direction in a manner or beside the human's side: say it of the model's "
+                "number ('higher', 'higher than the original')")
     claimed = {d for d in said if d is not None}
     if not claimed:
         return "a direction negated, none claimed"
@@ -311,8 +325,12 @@ def _said(text: str, meaning: dict[str, str]) -> list[str | None]:
             word = meaning[words[i]]
             if _NEGATION.intersection(before):
                 said.append(None)
-            elif (human := _of_the_human(before)) is None or (
-                    human is False and (human := _for_the_human(after)) is None):
+            elif words[i] in _QUANTIFIERS and i + 1 < len(words) and not (
+                    words[i + 1] in _COUNTED or words[i + 1].isdigit()):
+                said.append(AMBIGUOUS)
+            elif ((human := _of_the_human(before)) is None or (
+                    human is False and (human := _for_the_human(after)) is None)) \
+                    and word != "similar":  # similar either way round
                 said.append(AMBIGUOUS)
             else:
                 said.append(_INVERSE[word] if human else word)
@@ -338,16 +356,16 @@ def _of_the_human(words: list[str]) -> bool | None:
 
 def _for_the_human(words: list[str]) -> bool | None:
     """The words after a direction say it of the human's side ("lower for the
-    human", "higher in the original"): True; not (what the model is measured
-    against, "higher than in the original"; another clause, "lower while the
-    original ..."; no human's side): False; None: the human's side after
-    another word ("higher the original")."""
+    human", "higher but only in the original"): True; not (what the model is
+    measured against, "higher than in the original"; the subject of another
+    clause, "lower while the original leans ..."; no human's side): False;
+    None: the human's side after another word ("higher the original")."""
     before = ""
     for word in words:
-        if word in _AGAINST or word in _NEW_SUBJECT or word in _NEGATION:
+        if word in _AGAINST or word in _NEGATION:
             return False
         if word in _HUMAN:
-            return True if before in _PLACE else None
+            return True if before in _PLACE else False if before in _NEW_SUBJECT else None
         if word not in _ARTICLES:
             before = word
     return False
