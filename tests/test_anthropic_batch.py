@@ -139,6 +139,29 @@ def test_a_create_that_failed_adopts_no_other_records_batch(
             assert all(run in json.dumps(params) for params in asked), (run, s.id)
 
 
+def test_two_lost_batches_of_one_size_are_each_found_by_their_own_record() -> None:
+    """Each record's own batch is the first made after it: taking the newest
+    match, the first record took the second's batch and the second the first's."""
+    from skilltrain.daemon.core.config import LLMConfig
+    from skilltrain.daemon.infra.anthropic_batches import AnthropicBatchAPI
+
+    def line(custom_id: str) -> str:
+        return json.dumps({"custom_id": custom_id, "params": {
+            "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}})
+
+    with AnthropicBatchServer() as server:
+        api = AnthropicBatchAPI(LLMConfig(model=MODEL, api_base=server.url, timeout_s=5))
+        first_saved = time.time()
+        first = api.submit([line("a" * 16 + "-0000")], {})
+        time.sleep(0.05)
+        second_saved = time.time()
+        second = api.submit([line("b" * 16 + "-0000")], {})
+        found = api.find("first", first_saved, 1)
+        assert found == first
+        assert api.find("second", second_saved, 1, taken={found}) == second
+        api.close()
+
+
 def test_a_batch_found_by_mistake_answers_none_of_the_sets(
         tmp_path: Path, server: AnthropicBatchServer, start: Any) -> None:
     """Another daemon on the same key makes a batch of as many requests just as

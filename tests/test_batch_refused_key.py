@@ -55,6 +55,31 @@ def test_the_batch_api_tells_a_refused_key_from_other_errors() -> None:
     assert rejected.value.blocked is None  # a batch not accepted is not a refused key
 
 
+def test_an_input_file_is_deleted_only_when_its_create_was_refused() -> None:
+    """A create refused (4xx) made no batch: its input file, the key, is deleted.
+    One that timed out may have made the batch, which reads that file: kept."""
+    import threading
+
+    from skilltrain.daemon.core.config import LLMConfig
+
+    with BatchServer() as server:
+        api = BatchAPI(LLMConfig(model=MODELS["openai"], api_base=server.url, timeout_s=1.0))
+        server.reject_creates = 1
+        with pytest.raises(APIError) as refused:
+            api.submit(['{"custom_id": "a-0000"}'], {"skilltrain_key": "k1"})
+        assert refused.value.sent and refused.value.status == 400
+        assert server.deleted == 1 and server.files == {}
+        late = threading.Event()
+        server.plan.hold_after_create = late  # made, and its answer comes too late
+        with pytest.raises(APIError) as timed_out:
+            api.submit(['{"custom_id": "b-0000"}'], {"skilltrain_key": "k2"})
+        late.set()
+        assert timed_out.value.sent and timed_out.value.status is None
+        assert server.deleted == 1 and len(server.files) == 1
+        assert api.find("k2", 0, 1) is not None  # the next poll adopts it, its input there
+        api.close()
+
+
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_a_refused_batch_blocks_the_endpoint_holds_its_sets_and_goes_on(
         tmp_path: Path, start: Any, provider: str) -> None:

@@ -149,27 +149,30 @@ class AnthropicBatchAPI(BatchAPI):
 
     def find(self, key: str, created_after: float, requests: int,
              taken: Collection[str] = ()) -> str | None:
-        """The batch a daemon killed before it saved the id created: the newest one
+        """The batch a daemon killed before it saved the id created: the first one
         created since its record with as many requests (the API keeps no metadata)
-        that no other record owns (`taken`). Size and time can still match another
-        daemon's batch on the same key: its request ids then answer none of ours
-        (batch_results: unique across every batch), and the sets are sent again."""
+        that no other record owns (`taken`); the first, as a record's own batch is
+        created right after it (the newest would take a later record's). Size and
+        time can still match another daemon's batch on the same key: its request
+        ids then answer none of ours (batch_results: unique across every batch),
+        and the sets are sent again."""
         after: str | None = None
+        found: str | None = None  # the oldest match so far (the list is newest first)
         for _ in range(LIST_PAGES):
             params: dict[str, Any] = {"limit": LIST_PAGE, **({"after_id": after} if after else {})}
             page = self._request("list", "GET", self._url(), params=params).json()
             data = list(page.get("data") or [])
-            for batch in data:  # newest first
+            for batch in data:
                 created = _epoch(batch.get("created_at"))
                 if created is not None and created < created_after - CREATED_SLACK_S:
-                    return None
+                    return found
                 if _total(batch.get("request_counts") or {}) == requests \
                         and str(batch["id"]) not in taken:
-                    return str(batch["id"])
+                    found = str(batch["id"])
             if not data or not page.get("has_more"):
-                return None
+                return found
             after = str(page.get("last_id") or data[-1]["id"])
-        return None
+        return found
 
     def results(self, url: str | None) -> list[ItemResult]:
         """Each result line, by its custom_id (in any order); canceled and expired

@@ -47,11 +47,14 @@ class BatchAPIError(LLMError):
     """A files or batches call failed; the message is guarded. `blocked`: the
     provider refuses the key itself (quota, billing, auth: llm_errors.refused_key).
     `sent`: the prompts (so the answer key) reached the provider all the same
-    (an input file uploaded before the create failed)."""
+    (an input file uploaded before the create failed). `status`: the HTTP
+    status of the provider's answer, if it gave one (None: a timeout, a reset)."""
 
-    def __init__(self, message: str, *, blocked: str | None = None, sent: bool = False) -> None:
+    def __init__(self, message: str, *, blocked: str | None = None, sent: bool = False,
+                 status: int | None = None) -> None:
         super().__init__(message, blocked=blocked)
         self.sent = sent
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -176,8 +179,9 @@ class BatchAPI:
         except Exception as e:
             # The provider's words, through the same guard as a live call's.
             text = llm._describe(e, "", self.settings.api_base)
-            raise BatchAPIError(f"batch {what} failed: {text}",
-                                blocked=refused_key(e)) from None
+            status = getattr(e, "status_code", None)
+            raise BatchAPIError(f"batch {what} failed: {text}", blocked=refused_key(e),
+                                status=status if isinstance(status, int) else None) from None
 
     def submit(self, lines: Sequence[str], metadata: dict[str, str]) -> str:
         """Upload the requests and create the batch; its provider id."""
@@ -189,9 +193,13 @@ class BatchAPI:
                 completion_window=COMPLETION_WINDOW, endpoint=ENDPOINT,
                 input_file_id=uploaded.id, metadata=metadata))
         except BatchAPIError as e:
-            # No batch will read the file: it would only keep the key there.
-            raise BatchAPIError(f"{e}{self._delete_input(str(uploaded.id))}",
-                                blocked=e.blocked, sent=True) from None
+            # Refused (a 4xx): no batch will read the file, it would only keep the key
+            # there. A timeout or a 5xx may have made the batch all the same (the next
+            # poll looks for it): its input stays.
+            refused = e.status is not None and 400 <= e.status < 500
+            left = self._delete_input(str(uploaded.id)) if refused else ""
+            raise BatchAPIError(f"{e}{left}", blocked=e.blocked, sent=True,
+                                status=e.status) from None
         return str(batch.id)
 
     def _delete_input(self, file_id: str) -> str:
