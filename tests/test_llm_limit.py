@@ -280,6 +280,21 @@ def test_leaving_slow_start_keeps_what_the_provider_served_and_the_window_before
     run(scenario())
 
 
+def test_a_slow_start_step_the_ceiling_cut_short_keeps_two_thirds_at_least() -> None:
+    """54 -> 64 (the ceiling): the window at 54 was fed by a burst as much as the
+    step's; leaving slow start keeps at least 2/3 of 64, not 54."""
+    async def scenario() -> None:
+        lim, _, clock = limiter()
+        while lim.limit < 64:
+            await _window(lim, clock)
+        rest = await round_trip(lim, clock, calls=64, ok=30)
+        clock.now += 0.01
+        rest[0].give_back("rate_limited")
+        assert lim.limit == 42
+
+    run(scenario())
+
+
 def test_slow_start_doubles_to_16_then_grows_by_half() -> None:
     """RFC 3742's limited slow start: the step that meets the wall overshoots
     it by half at most (a doubling 32 -> 64 against a provider serving 40 at

@@ -54,7 +54,7 @@ new one refused at once (LLMError with `blocked`, their sets wait: not an
 attempt), and every `probe_s` one small real call (llm_probe.py) asks
 whether the key works again; when it does, `llm.unblocked` and the calls go on.
 
-Quiet by default: state changes only, with counts. A slow-start doubling,
+Quiet by default: state changes only, with counts. A slow-start step,
 the start of pacing and an episode's cut are `llm.limit_changed` (with the
 429s, holds and seconds held since the last line); the stated limit
 appearing, changing or going (llm_headers.GONE_AFTER replies without it) is
@@ -232,9 +232,8 @@ class Limiter:
         self.blocked, self.blocked_since = (kind, said), self.clock()
         self.usage.blocked += 1
         self.prober.start()
-        self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind,
-                       reason=said, probe_s=self.probe_s, in_flight=self.in_flight,
-                       waiting=len(self._waiters))
+        self.on_change("llm.blocked", level="error", endpoint=self.endpoint, kind=kind, reason=said,
+                       probe_s=self.probe_s, in_flight=self.in_flight, waiting=len(self._waiters))
         error = self.refusal()
         while self._waiters:  # their sets wait too, without an attempt
             waiter = self._waiters.popleft()
@@ -304,7 +303,8 @@ class Limiter:
         if not self.slow_start and not self.episodes.may_grow(self.limit):
             return
         new = min(self.ceiling, slow_start_step(self.limit) if self.slow_start else self.limit + 1)
-        self._grown_from = self.limit if self.slow_start else None
+        # The window before (all successes), at most 2/3 of a step the ceiling cut short.
+        self._grown_from = min(self.limit, new * 2 // 3) if self.slow_start else None
         self._set(new, "slow start" if self.slow_start else "calls succeeded")
 
     def _cut(self, generation: int, admitted_at: float, retry_after_s: float | None, *,
