@@ -630,7 +630,9 @@ def test_a_bold_claims_line_ends_at_the_next_bold_line_and_is_prose_in_a_section
               "**Claims**\n- words_per_episode: similar\n")
     assert [c.statistic for c in read_claims(report).claims] == [
         "speech_words_mean", "scenes_per_episode", "words_per_episode"]
-    assert not read_claims("## Claims about pacing\n- speech_words_mean: higher\n").found
+    # A heading that starts or ends with "Claims" heads a list, whatever else it says:
+    # a list of wrong claims must not pass by its heading's wording.
+    assert read_claims("## Claims about pacing\n- speech_words_mean: higher\n").found
 
 
 NEAR_NAMES = {  # a shortened label -> its statistic
@@ -647,3 +649,43 @@ NEAR_NAMES = {  # a shortened label -> its statistic
 def test_a_label_is_read_without_its_note_or_its_part_after_a_comma(name: str, key: str) -> None:
     (claim,) = read_claims(f"## Claims\n- {name}: lower\n").claims
     assert claim.statistic == key
+
+
+# Wrong claims in layouts reviewers use that were passed over as prose, read
+# from the wrong cell, or hidden by the heading: each is now contradicted, or
+# unreadable and annotated; none is confirmed (a helper's adversarial review).
+WRONG_LAYOUTS = {
+    "a numbered table": "## Claims\n\n| # | Statistic | Direction |\n|---|---|---|\n"
+                        "| 1 | {a} | {fa} |\n| 2 | {b} | {fb} |\n",
+    "a category column": "## Claims\n\n| Area | Statistic | Model vs human |\n|---|---|---|\n"
+                         "| Dialogue | {a} | {fa} |\n| Structure | {b} | {fb} |\n",
+    "arrows": "## Claims\n\n- {a} → {fa}\n- {b} ⟶ {fb}\n",
+    "no separator": "## Claims\n\n- words_per_episode: similar\n- {a} was {fa}\n- {b} {fb}\n",
+    "grouped by direction": "## Claims\n\n- words_per_episode: similar\n- {FA}: {a}\n"
+                            "- {FB}: {b}\n",
+    "an emoji heading": "## 📊 Claims\n\n- {a}: {fa}\n- {b}: {fb}\n",
+    "a heading of five words": "## Claims about the measured craft statistics\n\n"
+                               "- {a}: {fa}\n- {b}: {fb}\n",
+    "a plain Claims: line": "Claims:\n- {a}: {fa}\n- {b}: {fb}\n",
+    "a comment in a fence": "## Claims\n\n```yaml\nwords_per_episode: similar\n# dialogue\n"
+                            "{a}: {fa}\n{b}: {fb}\n```\n",
+}
+
+
+@pytest.mark.parametrize("layout", WRONG_LAYOUTS.values(), ids=WRONG_LAYOUTS.keys())
+def test_wrong_claims_in_any_layout_are_never_confirmed_unseen(stats: tuple, layout: str) -> None:
+    truth = dict(_truth(stats))
+    a, b = "speech_words_mean", "scenes_per_episode"
+    fa, fb = FLIP[truth[a]], FLIP[truth[b]]
+    report = layout.format(a=a, b=b, fa=fa, fb=fb, FA=fa.capitalize(), FB=fb.capitalize())
+    check = check_report(report, *stats)
+    assert not [v for v in check.verdicts if v.statistic in (a, b) and v.verdict == "confirmed"]
+    assert check.contradicted  # annotated: contradicted, or unreadable lines said so
+    assert len(check.contradicted) + len(check.malformed) >= 2 or any(
+        isinstance(u, craft_claims.Unreadable) for u in check.contradicted)
+
+
+def test_the_reference_or_the_source_is_the_human_side() -> None:
+    claims = read_claims("## Claims\n- speech_words_mean: the source screenplay's is higher\n"
+                         "- scenes_per_episode: the reference has fewer\n")
+    assert [c.direction for c in claims.claims] == ["lower", "higher"]

@@ -26,10 +26,12 @@ measurements with the statistic's floor (craft_report.METRICS):
 
 A report without the list is still a report: "not checked", counted. A line
 that tries to be a claim and cannot be read is reported by line number and
-reason, never a crash; prose beside the claims is passed over. A list that
-is mostly unreadable (more than half its lines, or no readable claim at all)
-cannot vouch for its report: it is seen like a contradiction, annotated, and
-in refuse mode its unreadable lines count as contradicted.
+reason, never a crash; prose beside the claims is passed over. Unreadable
+claim lines are seen like a contradiction, annotated ("N of M claims above
+could not be checked"): a wrong claim must not pass by its wording. A list
+that is mostly unreadable (more than half its lines, or no readable claim at
+all) cannot vouch for its report: in refuse mode its unreadable lines count
+as contradicted.
 Pure, no I/O; numbers and statistic names only, never screenplay text.
 """
 from __future__ import annotations
@@ -75,8 +77,9 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A claims list most of whose lines could not be read. It is seen like a
-    contradicted claim: a list of wrong claims must not pass by being misspelt."""
+    """Claim lines that could not be read. They are seen like a contradicted
+    claim (annotated): a wrong claim must not pass by being misspelt, nor a list
+    of them; in refuse mode they count only when most of the list is unreadable."""
 
     malformed: int
     lines: int  # the list's claim lines, read or not
@@ -105,10 +108,10 @@ class ClaimCheck:
     @property
     def contradicted(self) -> tuple[Verdict | Unreadable, ...]:
         """What the report must be seen for (annotation): each contradicted
-        claim, and the list itself when it is mostly unreadable."""
+        claim, and its unreadable claim lines, if any."""
         wrong: tuple[Verdict | Unreadable, ...] = tuple(
             v for v in self.verdicts if v.verdict == "contradicted")
-        if self.mostly_unreadable:
+        if self.malformed:
             lines = len(self.malformed) + len(self.verdicts)
             wrong += (Unreadable(malformed=len(self.malformed), lines=lines),)
         return wrong

@@ -66,8 +66,11 @@ UNKNOWN_NAME_WORDS = 4
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s*(.*?)\s*#*\s*$")
 # A Claims heading's text: "Claims", "5. Claims", "Measurable claims",
 # "Claims (model vs. human)", "Claims: model against human", bold or not.
-_SECTION = re.compile(rf"^(?:(?:\d+|[IVX]+)[.)]\s*|\d+\s+)?(?:[\w-]+\s+){{0,2}}{SECTION}"
-                      r"\s*(?:[:(\u2014\u2013-].*)?$", re.IGNORECASE)
+_SECTION = re.compile(rf"^[^\w(]*(?:(?:\d+|[IVX]+)[.)]\s*|\d+\s+)?(?:[\w-]+\s+){{0,3}}"
+                      rf"{SECTION[:-1]}s?\b(?:\s+[\w-]+){{0,5}}[^\w(:\u2014\u2013-]*"
+                      r"(?:[:(\u2014\u2013-].*)?$", re.IGNORECASE)
+# A line that is only "Claims:" heads a list as a bold line does.
+_LABEL_LINE = re.compile(rf"^\s*({SECTION}?)\s*:\s*$", re.IGNORECASE)
 _MARKS = re.compile(r"[*_]")  # bold or italic around a heading's words
 # A line wholly in bold ("**Claims**", "__Next steps:__"): a heading in all but markup.
 _BOLD_LINE = re.compile(r"^\s*(\*\*|__)(.+?)\1\s*:?\s*$")
@@ -79,7 +82,14 @@ _RULE = re.compile(r"^[\s|:]*-[\s|:-]*$")
 # (where an em or en dash is "-"): a colon, "=", a table's "|", a dash apart
 # from a word on one side, or "is"/"are". A hyphen inside a word does not
 # split it: "speech-words-mean" names a statistic.
-_SEPARATOR = re.compile(r"[:=|]|\s-+|-+\s|--+|\b(?:is|are)\b", re.IGNORECASE)
+_SEPARATOR = re.compile(r"[:=|\u2192\u21d2\u27f6\u21a6]|\s-+|-+\s|--+|\b(?:is|are)\b",
+                        re.IGNORECASE)
+# What a next-steps bullet starts with: what to do, not what was measured.
+_IMPERATIVE = frozenset({"bring", "raise", "keep", "cut", "trim", "break", "let", "give",
+                         "add", "make", "use", "try", "aim", "push", "pull", "drop", "shorten",
+                         "lengthen", "tighten", "loosen", "increase", "reduce", "vary",
+                         "split", "merge", "move", "hold", "limit", "consider", "avoid",
+                         "leave", "write", "start", "end", "balance", "spread", "tone"})
 # A line with none of them may have an em dash between words, read as a
 # hyphen: "speech_words_mean—higher". The dash is then the last one before
 # the direction, so that a hyphenated name stays whole.
@@ -93,7 +103,7 @@ _NEGATION = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent", 
 # The human's side as the subject ("the human's is higher", "human higher",
 # "lower for the human"): the model's is the other way, read so and checked,
 # or a wrong claim could hide there.
-_HUMAN = frozenset({"human", "humans", "original", "originals"})
+_HUMAN = frozenset({"human", "humans", "original", "originals", "reference", "source"})
 _INVERSE = {"higher": "lower", "lower": "higher", "similar": "similar"}
 # The human's side is the subject first in its clause, after a word that
 # starts a new subject ("while the original's is higher") or as the place a
@@ -164,9 +174,9 @@ def _heading(line: str, inside: int) -> tuple[int, str] | None:
     m = _HEADING.match(line)
     if m is not None:
         return len(m.group(1)), m.group(2)
-    bold = _BOLD_LINE.match(line)
+    bold = _BOLD_LINE.match(line) or _LABEL_LINE.match(line)
     if bold is not None and not 0 < inside <= 6:
-        return 7, bold.group(2)
+        return 7, bold.group(bold.lastindex or 0)
     return None
 
 
@@ -174,8 +184,11 @@ def _sections(lines: list[str]) -> Iterator[tuple[int, int]]:
     """(start, end) line indexes of each Claims section's body: from below
     its heading to the next heading of its level or above, or the end."""
     start, level = None, 0
+    fenced = False
     for i, line in enumerate(lines):
-        heading = _heading(line, level if start is not None else 0)
+        if _FENCE.match(line):
+            fenced = not fenced
+        heading = None if fenced else _heading(line, level if start is not None else 0)
         if heading is None:
             continue
         depth, text = heading
@@ -271,9 +284,16 @@ def _statistics_in(words: list[str]) -> set[Metric]:
 
 def _claim_like(line: str) -> bool:
     """The line is a claim, if an unreadable one: it has a separator with a
-    direction after it ("speeches ran: higher") or a statistic alone before it
-    ("scene_words_mean is long"). A next-steps bullet, even one naming a
-    statistic ("- Bring speech_words_mean down."), is prose."""
+    direction after it ("speeches ran: higher"), a statistic alone before it
+    ("scene_words_mean is long"), or it names a statistic and a direction in
+    any layout ("speech_words_mean was lower", "Lower: dialogue_share"): a
+    wrong claim must not pass as prose. A next-steps bullet naming a statistic
+    ("- Bring speech_words_mean down.", "- Raise scenes_per_episode: ...")
+    is prose: it starts with what to do, or names no direction."""
+    words = textnorm.words_as_read(_BULLET.sub("", line))
+    if (words and words[0] not in _IMPERATIVE and _statistics_in(words)
+            and not _DIRECTION_WORDS.keys().isdisjoint(words)):
+        return True
     split = _name_and_value(_BULLET.sub("", line))
     if split is None:
         return False
@@ -283,10 +303,18 @@ def _claim_like(line: str) -> bool:
 
 
 def _name_and_value(line: str) -> tuple[str, str] | None:
-    """A claim line cut at its first separator (a table row: after its first
-    cell); None: it has none. Cut in textnorm's reading of the line, where
-    an em dash, "&mdash;" and a full-width colon are the ASCII "-" and ":"."""
-    text = textnorm.readings(line)[0].text.removeprefix("|")
+    """A claim line cut at its first separator (a table row: after the first
+    cell that names a statistic, else its first cell, as "| 1 | speech_words_mean
+    | lower |" numbers its rows); None: it has none. Cut in textnorm's reading
+    of the line, where an em dash, "&mdash;" and a full-width colon are the
+    ASCII "-" and ":"."""
+    text = textnorm.readings(line)[0].text
+    if text.startswith("|"):
+        cells = text.strip().strip("|").split("|")
+        for k, cell in enumerate(cells[:-1]):
+            if _statistics_in(textnorm.words_as_read(_ASIDE.sub(" ", cell))):
+                return cell, "|".join(cells[k + 1:])
+        text = text.removeprefix("|")
     m = _SEPARATOR.search(text) or _DASH.search(text)
     return None if m is None else (text[:m.start()], text[m.end():])
 
