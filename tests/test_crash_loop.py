@@ -52,6 +52,10 @@ STEPS = 20  # x 2 works = 40 sets
 CONCURRENCY = 4
 LATENCY_S = (0.2, 0.6)
 KILL_DELAY_S = (0.3, 2.0)
+# A start kill lands within this long of the spawn: a daemon forked from the
+# fork server (prewarmed) starts in a tenth of a second, so a later one is a
+# work kill too, and 40 sets ran out after five kills.
+START_KILL_DELAY_S = (0.0, 0.3)
 KILL_SEED = 1234
 # A kill is a "work" kill at even positions while enough sets are left that even
 # a 2 s kill cannot finish them (the daemon does ~8 sets/s here), else a "start"
@@ -62,9 +66,11 @@ MIN_SETS_FOR_WORK_KILL = 16
 # The child imports litellm (~6 s, far more on a cold or busy machine) before
 # its first request.
 FIRST_REQUEST_TIMEOUT_S = 90.0
-# No incarnation sends a request this soon after its spawn (the import alone
-# takes seconds), so a request stamped later than this belongs to the newer one.
-SPAWN_GRACE_S = 0.5
+# No incarnation sends a request this soon after its spawn (forked from the
+# fork server, its first comes 0.4 s or more after it), and a killed one's last
+# request reached the server before the kill returned: a request stamped later
+# than this after a spawn belongs to the newer incarnation.
+SPAWN_GRACE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,8 @@ def test_sigkill_loop_leaves_exactly_one_current_report_per_set(tmp_path: Path) 
             phase = "work" if n % 2 == 0 and left >= MIN_SETS_FOR_WORK_KILL else "start"
             spawns.append(time.monotonic())
             kills.append(
-                kill_at_random_moment(ws, server, sets, n, phase, rng.uniform(*KILL_DELAY_S))
+                kill_at_random_moment(ws, server, sets, n, phase, rng.uniform(
+                    *(KILL_DELAY_S if phase == "work" else START_KILL_DELAY_S)))
             )
             assert_state_file_whole(ws)
             assert_outputs_consistent(ws, sets)
