@@ -28,7 +28,7 @@ class Episodes:
     50 ms must not take the limit to the floor in a second).
     Successes are kept by when they came back, with a running mean of their
     round trip: the calls at once the provider served in the last round trip
-    (TCP Westwood's estimate), and, read when a cut comes, the wall past
+    (TCP Westwood's estimate), and, read when a cut comes, the wall near
     which the limit only probes.
     """
 
@@ -39,7 +39,7 @@ class Episodes:
         self._ok_at: deque[float] = deque(maxlen=keep)
         self._round_trip_s: float | None = None
         self._wall: int | None = None  # calls served in a round trip when the last cut came
-        self._probes = 0  # windows of successes past that wall since the limit last grew
+        self._probes = 0  # windows of successes since the limit last grew
 
     def same(self, generation: int, admitted_at: float, now: float) -> bool:
         if generation != self.generation or self._cut_at is None:
@@ -83,7 +83,7 @@ class Episodes:
         return sum(1 for _ in itertools.takewhile(lambda at: at >= since, reversed(self._ok_at)))
 
     def may_grow(self, limit: int) -> bool:
-        """After a window of successes: past the wall, one step every PROBE_WINDOWS."""
+        """After a window of successes: near the wall, one step every PROBE_WINDOWS."""
         past = self._wall is not None and limit >= self._wall * NEAR_WALL
         self._probes += 1
         if past and self._probes < PROBE_WINDOWS:
