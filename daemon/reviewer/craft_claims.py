@@ -28,7 +28,8 @@ A report without the list is still a report: "not checked", counted. A line
 that tries to be a claim and cannot be read is reported by line number and
 reason, never a crash; prose beside the claims is passed over. Unreadable
 claim lines are seen like a contradiction, annotated ("N of M claims above
-could not be checked"): a wrong claim must not pass by its wording. A list
+could not be checked"), when one names a statistic of the tables: a wrong
+claim must not pass by its wording. A list
 that is mostly unreadable (more than half its lines, or no readable claim at
 all) cannot vouch for its report: in refuse mode its unreadable lines count
 as contradicted.
@@ -98,6 +99,7 @@ class ClaimCheck:
     verdicts: tuple[Verdict, ...] = ()
     malformed: tuple[tuple[int, str], ...] = ()
     counts: dict[str, int] = field(default_factory=dict)
+    malformed_naming: int = 0  # malformed lines that name a statistic of the tables
 
     @property
     def mostly_unreadable(self) -> bool:
@@ -108,10 +110,11 @@ class ClaimCheck:
     @property
     def contradicted(self) -> tuple[Verdict | Unreadable, ...]:
         """What the report must be seen for (annotation): each contradicted
-        claim, and its unreadable claim lines, if any."""
+        claim, and its unreadable claim lines if one names a statistic of the
+        tables (a claim about it could be wrong) or most of them are unreadable."""
         wrong: tuple[Verdict | Unreadable, ...] = tuple(
             v for v in self.verdicts if v.verdict == "contradicted")
-        if self.malformed:
+        if self.malformed_naming or self.mostly_unreadable:
             lines = len(self.malformed) + len(self.verdicts)
             wrong += (Unreadable(malformed=len(self.malformed), lines=lines),)
         return wrong
@@ -193,7 +196,7 @@ def check(claims: ClaimList, human: ScreenplayStats, model: ScreenplayStats) -> 
     else:
         status = "checked" if claims.claims else "malformed"
     return ClaimCheck(status=status, verdicts=verdicts, malformed=claims.malformed,
-                      counts=counts)
+                      counts=counts, malformed_naming=len(claims.naming))
 
 
 def check_report(report: str, human: ScreenplayStats, model: ScreenplayStats) -> ClaimCheck:

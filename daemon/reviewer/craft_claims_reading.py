@@ -61,21 +61,27 @@ BY_NAME: dict[str, Metric] = _names()
 _BY_READING: dict[str, Metric] = {
     "".join(textnorm.words_as_read(name)): m for name, m in BY_NAME.items()}
 _NAME_WORDS = max(len(textnorm.words_as_read(name)) for name in BY_NAME)  # most of any name
+# A label that is only a direction, for the model: "Higher", "Lower in the model".
+_LABEL_DIRECTION = re.compile(r"(?:higher|lower|similar)(?: (?:in|for) (?:the )?model)?")
 # An unknown statistic's name is kept (not checkable) up to this many words.
 UNKNOWN_NAME_WORDS = 4
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s*(.*?)\s*#*\s*$")
 # A Claims heading's text: "Claims", "5. Claims", "Measurable claims",
 # "Claims (model vs. human)", "Claims: model against human", bold or not.
 _SECTION = re.compile(rf"^[^\w(]*(?:(?:\d+|[IVX]+)[.)]\s*|\d+\s+)?(?:[\w-]+\s+){{0,3}}"
-                      rf"{SECTION[:-1]}s?\b(?:\s+[\w-]+){{0,5}}[^\w(:\u2014\u2013-]*"
+                      rf"{SECTION}\b(?:\s+[\w-]+){{0,5}}[^\w(:\u2014\u2013-]*"
                       r"(?:[:(\u2014\u2013-].*)?$", re.IGNORECASE)
+# ...but not a heading about claims: "Notes on the claims", "Why these claims matter".
+_ABOUT_CLAIMS = re.compile(rf"\b(?:the|these|those|on|about|for|why|our|my|its|their|such|"
+                           rf"no|any|of)\s+{SECTION}\b", re.IGNORECASE)
 # A line that is only "Claims:" heads a list as a bold line does.
-_LABEL_LINE = re.compile(rf"^\s*({SECTION}?)\s*:\s*$", re.IGNORECASE)
+_LABEL_LINE = re.compile(rf"^\s*({SECTION})\s*:\s*$", re.IGNORECASE)
 _MARKS = re.compile(r"[*_]")  # bold or italic around a heading's words
 # A line wholly in bold ("**Claims**", "__Next steps:__"): a heading in all but markup.
 _BOLD_LINE = re.compile(r"^\s*(\*\*|__)(.+?)\1\s*:?\s*$")
 _BULLET = re.compile(r"^(?:[-*+•]|\d+[.)])\s+")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+_MARKDOWN_FENCE = re.compile(r"^\s*(```|~~~)\s*(markdown|md)\s*$", re.IGNORECASE)
 # A Markdown rule, a table's |---|:--:| or a thematic break: layout, not a claim.
 _RULE = re.compile(r"^[\s|:]*-[\s|:-]*$")
 # Between a statistic and its direction, in textnorm's reading of the line
@@ -84,12 +90,6 @@ _RULE = re.compile(r"^[\s|:]*-[\s|:-]*$")
 # split it: "speech-words-mean" names a statistic.
 _SEPARATOR = re.compile(r"[:=|\u2192\u21d2\u27f6\u21a6]|\s-+|-+\s|--+|\b(?:is|are)\b",
                         re.IGNORECASE)
-# What a next-steps bullet starts with: what to do, not what was measured.
-_IMPERATIVE = frozenset({"bring", "raise", "keep", "cut", "trim", "break", "let", "give",
-                         "add", "make", "use", "try", "aim", "push", "pull", "drop", "shorten",
-                         "lengthen", "tighten", "loosen", "increase", "reduce", "vary",
-                         "split", "merge", "move", "hold", "limit", "consider", "avoid",
-                         "leave", "write", "start", "end", "balance", "spread", "tone"})
 # A line with none of them may have an em dash between words, read as a
 # hyphen: "speech_words_mean—higher". The dash is then the last one before
 # the direction, so that a hyphenated name stays whole.
@@ -103,7 +103,8 @@ _NEGATION = frozenset({"not", "no", "never", "nor", "neither", "isnt", "arent", 
 # The human's side as the subject ("the human's is higher", "human higher",
 # "lower for the human"): the model's is the other way, read so and checked,
 # or a wrong claim could hide there.
-_HUMAN = frozenset({"human", "humans", "original", "originals", "reference", "source"})
+_HUMAN = frozenset({"human", "humans", "original", "originals", "reference", "references",
+                    "source", "sources"})
 _INVERSE = {"higher": "lower", "lower": "higher", "similar": "similar"}
 # The human's side is the subject first in its clause, after a word that
 # starts a new subject ("while the original's is higher") or as the place a
@@ -121,14 +122,18 @@ _AGAINST = frozenset({"with", "to", "than", "against", "versus", "vs", "unlike",
                       "from", "relative", "compared", "beside", "as", "like", "above",
                       "below", "under", "beyond", "behind", "ahead", "past", "exceeds",
                       "exceed", "outpaces", "outpace", "outstrips", "surpasses", "trails",
-                      "trail", "tops"})
+                      "trail", "tops", "per", "see", "according"})
 # Skipped back to the word that says the human's side's role: articles, "'s".
 _ARTICLES = frozenset({"the", "a", "an", "its", "their", "s"})
+# A statistic's own words: in a name ("speech_words_mean, human vs model") they
+# start the clause the human's side is read in.
+_STATISTIC_WORDS = frozenset(w for name in BY_NAME for w in textnorm.words_as_read(name)) \
+    - _NEW_SUBJECT - _PLACE - _AGAINST - _ARTICLES
 AMBIGUOUS = "ambiguous"  # _said: a direction said beside the human's side, role unknown
 # A parenthesis is commentary on the claim beside it: "similar (slightly higher)".
 _ASIDE = re.compile(r"\([^()]*\)?|\[[^\[\]]*\]?")
 # Where a clause ends, in textnorm's reading: "compared with the original, higher".
-_CLAUSE = re.compile(r"[,;:.!?]|\s-+\s")
+_CLAUSE = re.compile(r"[,;:.!?|]|\s-+\s")
 # "human: lower" is one clause, the human's side named as a label.
 _HUMAN_LABEL = re.compile(r"\b((?:human|original)\w*(?:['\u2019]s)?)\s*:", re.IGNORECASE)
 
@@ -147,6 +152,9 @@ class ClaimList:
     found: bool
     claims: tuple[Claim, ...] = ()
     malformed: tuple[tuple[int, str], ...] = ()  # (line, why), no text of the line
+    # Those of the malformed lines that name a statistic of the tables: a claim
+    # about it that could not be read (a prose line may only look like one).
+    naming: tuple[int, ...] = ()
 
 
 def read_claims(report: str) -> ClaimList:
@@ -158,13 +166,19 @@ def read_claims(report: str) -> ClaimList:
         return ClaimList(found=False)
     claims: list[Claim] = []
     malformed: list[tuple[int, str]] = []
-    for start, end in sections:
-        read, unread = _read_section(lines, start, end)
-        if not read and not unread:
-            unread.append((start, "the claims section is empty"))  # its heading's line
+    results = [(start, *_read_section(lines, start, end)) for start, end in sections]
+    any_read = any(read for _s, read, _u, _p in results)
+    for start, read, unread, prose in results:
+        if not read and not any_read:
+            unread = sorted(unread + prose)
+            if not unread:
+                unread.append((start, "the claims section is empty"))  # its heading's line
         claims += read
         malformed += unread
-    return ClaimList(found=True, claims=tuple(claims), malformed=tuple(malformed))
+    naming = tuple(n for n, _ in malformed if 0 < n <= len(lines) and _statistics_in(
+        textnorm.words_as_read(lines[n - 1])))
+    return ClaimList(found=True, claims=tuple(claims), malformed=tuple(malformed),
+                     naming=naming)
 
 
 def _heading(line: str, inside: int) -> tuple[int, str] | None:
@@ -184,10 +198,11 @@ def _sections(lines: list[str]) -> Iterator[tuple[int, int]]:
     """(start, end) line indexes of each Claims section's body: from below
     its heading to the next heading of its level or above, or the end."""
     start, level = None, 0
-    fenced = False
+    fence: str | None = None  # inside one: "code", or "markdown" (its headings are read)
     for i, line in enumerate(lines):
         if _FENCE.match(line):
-            fenced = not fenced
+            fence = None if fence else "markdown" if _MARKDOWN_FENCE.match(line) else "code"
+        fenced = fence == "code"
         heading = None if fenced else _heading(line, level if start is not None else 0)
         if heading is None:
             continue
@@ -196,14 +211,15 @@ def _sections(lines: list[str]) -> Iterator[tuple[int, int]]:
             if depth > level:
                 continue  # a sub-heading ("### Dialogue"): its claims are the section's
             yield start, i
-        named = _SECTION.match(_MARKS.sub("", text).strip())
+        text = _MARKS.sub("", text).strip()
+        named = _SECTION.match(text) and not _ABOUT_CLAIMS.search(text)
         start, level = (i + 1, depth) if named else (None, 0)
     if start is not None:
         yield start, len(lines)
 
 
 def _read_section(lines: list[str], start: int,
-                  end: int) -> tuple[list[Claim], list[tuple[int, str]]]:
+                  end: int) -> tuple[list[Claim], list[tuple[int, str]], list[tuple[int, str]]]:
     """The claims of lines[start:end], and (line, why) for each line that tries
     to be one (_claim_like) and is not. Other prose ("**Next steps**" and its
     bullets) is passed over, unless the section has no claim to pass it for."""
@@ -220,7 +236,7 @@ def _read_section(lines: list[str], start: int,
             claims.append(claim)
         else:
             (malformed if _claim_like(line) else prose).append((i + 1, claim))
-    return claims, malformed if claims else sorted(malformed + prose)
+    return claims, malformed, [] if claims else prose
 
 
 def _table_header(lines: list[str], i: int) -> bool:
@@ -244,6 +260,8 @@ def _read_line(line: str, number: int) -> Claim | str:
     if split is None:
         return "not 'statistic: higher|lower|similar'"
     name, value = split
+    if _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(name))):
+        name, value = value, name  # grouped by direction: "**Higher:** speech_words_mean"
     name = _ASIDE.sub(" ", name)
     read = textnorm.words_as_read(name)
     named = _statistics_in(read)
@@ -285,21 +303,18 @@ def _statistics_in(words: list[str]) -> set[Metric]:
 def _claim_like(line: str) -> bool:
     """The line is a claim, if an unreadable one: it has a separator with a
     direction after it ("speeches ran: higher"), a statistic alone before it
-    ("scene_words_mean is long"), or it names a statistic and a direction in
-    any layout ("speech_words_mean was lower", "Lower: dialogue_share"): a
-    wrong claim must not pass as prose. A next-steps bullet naming a statistic
-    ("- Bring speech_words_mean down.", "- Raise scenes_per_episode: ...")
-    is prose: it starts with what to do, or names no direction."""
-    words = textnorm.words_as_read(_BULLET.sub("", line))
-    if (words and words[0] not in _IMPERATIVE and _statistics_in(words)
-            and not _DIRECTION_WORDS.keys().isdisjoint(words)):
-        return True
+    ("scene_words_mean is long", "speech_words_mean was lower"), or a
+    direction alone before statistics ("Lower: dialogue_share, scene_words_cv").
+    A next-steps bullet, even one naming a statistic ("- Bring speech_words_mean
+    down."), is prose."""
     split = _name_and_value(_BULLET.sub("", line))
     if split is None:
         return False
     name = "".join(textnorm.words_as_read(_ASIDE.sub(" ", split[0])))
-    return name in _BY_READING or not set(textnorm.words_as_read(split[1])).isdisjoint(
-        _DIRECTION_WORDS)
+    value = textnorm.words_as_read(split[1])
+    if _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(split[0]))):
+        return bool(_statistics_in(value))
+    return name in _BY_READING or not set(value).isdisjoint(_DIRECTION_WORDS)
 
 
 def _name_and_value(line: str) -> tuple[str, str] | None:
@@ -316,7 +331,14 @@ def _name_and_value(line: str) -> tuple[str, str] | None:
                 return cell, "|".join(cells[k + 1:])
         text = text.removeprefix("|")
     m = _SEPARATOR.search(text) or _DASH.search(text)
-    return None if m is None else (text[:m.start()], text[m.end():])
+    if m is None:
+        tokens = re.findall(r"\S+", text)
+        for k in range(len(tokens), 0, -1):
+            head = " ".join(tokens[:k])
+            if "".join(textnorm.words_as_read(head)) in _BY_READING:
+                return head, " ".join(tokens[k:])
+        return None
+    return (text[:m.start()], text[m.end():])
 
 
 def _direction(value: str, meaning: dict[str, str]) -> str:
@@ -324,7 +346,13 @@ def _direction(value: str, meaning: dict[str, str]) -> str:
     ("much higher"); else why there is none (a sentence, never one of DIRECTIONS).
     One in a parenthesis is commentary unless it is the only one ("5 (higher)")."""
     value = _HUMAN_LABEL.sub(r"\1 ", value)
-    said = _said(_ASIDE.sub(",", value), meaning) or _said(value, meaning)
+    said = []
+    for m in ((_PLAIN, meaning) if meaning is not _PLAIN else (_PLAIN,)):
+        said = _said(_ASIDE.sub(",", value), m)
+        if [d for d in said if d is not None]:
+            break
+    else:
+        said = _said(_ASIDE.sub(",", value), meaning) or _said(value, meaning)
     if not said:
         return "the direction must be higher, lower or similar"
     if AMBIGUOUS in said:
@@ -355,7 +383,7 @@ def _said(text: str, meaning: dict[str, str]) -> list[str | None]:
                 said.append(None)
             elif words[i] in _QUANTIFIERS and i + 1 < len(words) and not (
                     words[i + 1] in _COUNTED or words[i + 1].isdigit()):
-                said.append(AMBIGUOUS)
+                said.append(None)
             elif ((human := _of_the_human(before)) is None or (
                     human is False and (human := _for_the_human(after)) is None)) \
                     and word != "similar":  # similar either way round
@@ -371,14 +399,18 @@ def _of_the_human(words: list[str]) -> bool | None:
     is"): True; only as what the model is compared with ("compared with the
     human", "above the human's"), or not at all: False; None: its role unknown."""
     before = ""  # the last word before it, articles and the human's own words skipped
+    compared = False  # a comparison word came first: "52 % vs 23 % in the original"
     for word in words:
         if word in _HUMAN:
+            if compared:
+                continue
             if not before or before in _NEW_SUBJECT or before in _PLACE:
                 return True
             if before not in _AGAINST:
                 return None
         elif word not in _ARTICLES:
-            before = word
+            before = "" if word in _STATISTIC_WORDS else word
+            compared = compared or word in _AGAINST
     return False
 
 
