@@ -32,7 +32,7 @@ _SYNONYMS = {"longer": "higher", "more": "higher", "shorter": "lower", "fewer": 
 # "more", "less", "fewer" say how much only alone, before "than" or "of", or
 # before what the statistics count ("more scenes"); before any other word they
 # are a manner ("more clipped", "more sparing", "more evenly spread"), which
-# says nothing of the number, often the opposite: unreadable, not "higher".
+# says nothing of the number, often the opposite: it claims nothing.
 _QUANTIFIERS = frozenset({"more", "less", "fewer"})
 _COUNTED = frozenset({"than", "of", "scenes", "scene", "speeches", "speech", "words", "word",
                       "dialogue", "parentheticals", "questions", "exclamations",
@@ -346,21 +346,18 @@ def _direction(value: str, meaning: dict[str, str]) -> str:
     ("much higher"); else why there is none (a sentence, never one of DIRECTIONS).
     One in a parenthesis is commentary unless it is the only one ("5 (higher)")."""
     value = _HUMAN_LABEL.sub(r"\1 ", value)
-    said = []
-    for m in ((_PLAIN, meaning) if meaning is not _PLAIN else (_PLAIN,)):
-        said = _said(_ASIDE.sub(",", value), m)
-        if [d for d in said if d is not None]:
-            break
-    else:
-        said = _said(_ASIDE.sub(",", value), meaning) or _said(value, meaning)
+    outside = _ASIDE.sub(",", value)
+    said = _said(outside, _PLAIN)  # a plain direction first: a synonym beside it is commentary
+    if not [d for d in said if d is not None]:
+        said = _said(outside, meaning) or _said(value, meaning)
     if not said:
         return "the direction must be higher, lower or similar"
     if AMBIGUOUS in said:
-        return ("a direction in a manner or beside the human's side: say it of the model's "
-                "number ('higher', 'higher than the original')")
+        return ("the human's side beside the direction in no role a reader can tell: say it "
+                "of the model's ('higher', 'higher than the original')")
     claimed = {d for d in said if d is not None}
     if not claimed:
-        return "a direction negated, none claimed"
+        return "a direction negated or a manner ('more clipped'), none claimed"
     if len(claimed) > 1:
         return "more than one direction: higher, lower or similar, one of them"
     return claimed.pop()
