@@ -729,3 +729,16 @@ def test_prose_under_a_heading_about_the_claims_is_not_a_claim(stats: tuple) -> 
     check = check_report(report, *stats)
     assert check.malformed == () and check.contradicted == ()
     assert check.counts["confirmed"] == 1
+
+
+def test_a_direction_grouping_several_statistics_is_one_claim_each(stats: tuple) -> None:
+    truth = dict(_truth(stats))
+    higher = [s for s, d in truth.items() if d == "higher"][:3]
+    lower = [s for s, d in truth.items() if d == "lower"][:2]
+    report = (f"## Claims\n\n**Higher in the model:** {', '.join(f'`{s}`' for s in higher)}\n"
+              f"**Lower in the model:** {', '.join(f'`{s}`' for s in lower)}\n"
+              f"- Higher: {lower[0]}\n")  # this one wrong
+    check = check_report(report, *stats)
+    assert check.malformed == () and check.counts == {
+        "confirmed": len(higher) + len(lower), "contradicted": 1, "not_checkable": 0}
+    assert [v.statistic for v in check.contradicted] == [lower[0]]

@@ -232,8 +232,8 @@ def _read_section(lines: list[str], start: int,
                 or _HEADING.match(lines[i]) or _table_header(lines, i)):
             continue  # layout; a table header ("| statistic | direction |") names columns
         claim = _read_line(line, i + 1)
-        if isinstance(claim, Claim):
-            claims.append(claim)
+        if isinstance(claim, tuple):
+            claims += claim
         else:
             (malformed if _claim_like(line) else prose).append((i + 1, claim))
     return claims, malformed, [] if claims else prose
@@ -245,8 +245,10 @@ def _table_header(lines: list[str], i: int) -> bool:
     return "|" in below and _RULE.match(below) is not None
 
 
-def _read_line(line: str, number: int) -> Claim | str:
-    """One `statistic: direction` line, or why it is not one.
+def _read_line(line: str, number: int) -> tuple[Claim, ...] | str:
+    """The claim of one `statistic: direction` line (a direction's label before
+    statistics, "**Lower:** dialogue_share, scene_words_cv": one claim each), or
+    why it is not one.
 
     Read through the guard's normalisation (textnorm), as a person reads it:
     `speech_words_mean`, **Speech words mean** and spee&#96;ch_words_mean
@@ -260,8 +262,9 @@ def _read_line(line: str, number: int) -> Claim | str:
     if split is None:
         return "not 'statistic: higher|lower|similar'"
     name, value = split
-    if _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(name))):
-        name, value = value, name  # grouped by direction: "**Higher:** speech_words_mean"
+    grouped = _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(name)))
+    if grouped:  # grouped by direction: "**Higher:** speech_words_mean"
+        name, value = value, name
     name = _ASIDE.sub(" ", name)
     read = textnorm.words_as_read(name)
     named = _statistics_in(read)
@@ -276,14 +279,15 @@ def _read_line(line: str, number: int) -> Claim | str:
         return "the human's side in the name in no role a reader can tell"
     if human:  # "The human's speech_words_mean is lower"
         direction = _INVERSE[direction]
-    if len(named) > 1:
+    if len(named) > 1 and not grouped:
         return "more than one statistic named"
     if named:
-        return Claim(statistic=named.pop().key, direction=direction, line=number)
+        return tuple(Claim(statistic=m.key, direction=direction, line=number)
+                     for m in METRICS if m in named)
     words = textnorm.tokens(name)
     if len(words) > UNKNOWN_NAME_WORDS:
         return "not a statistic of the facts table, nor a name"
-    return Claim(statistic="_".join(words), direction=direction, line=number)
+    return (Claim(statistic="_".join(words), direction=direction, line=number),)
 
 
 def _statistics_in(words: list[str]) -> set[Metric]:
