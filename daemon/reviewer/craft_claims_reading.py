@@ -231,11 +231,12 @@ def _read_section(lines: list[str], start: int,
         if (not line or _FENCE.match(line) or _RULE.match(line)
                 or _HEADING.match(lines[i]) or _table_header(lines, i)):
             continue  # layout; a table header ("| statistic | direction |") names columns
-        claim = _read_line(line, i + 1)
+        split = _name_and_value(_BULLET.sub("", line))  # cut once: both below read it
+        claim = _read_line(split, i + 1)
         if isinstance(claim, tuple):
             claims += claim
         else:
-            (malformed if _claim_like(line) else prose).append((i + 1, claim))
+            (malformed if _claim_like(split) else prose).append((i + 1, claim))
     return claims, malformed, [] if claims else prose
 
 
@@ -245,8 +246,9 @@ def _table_header(lines: list[str], i: int) -> bool:
     return "|" in below and _RULE.match(below) is not None
 
 
-def _read_line(line: str, number: int) -> tuple[Claim, ...] | str:
-    """The claim of one `statistic: direction` line (a direction's label before
+def _read_line(split: tuple[str, str] | None, number: int) -> tuple[Claim, ...] | str:
+    """The claim of one `statistic: direction` line, cut by _name_and_value
+    (None: no separator), numbered `number` (a direction's label before
     statistics, "**Lower:** dialogue_share, scene_words_cv": one claim each), or
     why it is not one.
 
@@ -258,11 +260,10 @@ def _read_line(line: str, number: int) -> tuple[Claim, ...] | str:
     (at most UNKNOWN_NAME_WORDS): never more of the line than a name, so no
     passage of a report reaches the sidecar through a claim (issue 34).
     """
-    split = _name_and_value(_BULLET.sub("", line))
     if split is None:
         return "not 'statistic: higher|lower|similar'"
     name, value = split
-    grouped = _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(name)))
+    grouped = _direction_label(name)
     if grouped:  # grouped by direction: "**Higher:** speech_words_mean"
         name, value = value, name
     name = _ASIDE.sub(" ", name)
@@ -304,21 +305,26 @@ def _statistics_in(words: list[str]) -> set[Metric]:
     return found
 
 
-def _claim_like(line: str) -> bool:
-    """The line is a claim, if an unreadable one: it has a separator with a
-    direction after it ("speeches ran: higher"), a statistic alone before it
+def _claim_like(split: tuple[str, str] | None) -> bool:
+    """The line (cut by _name_and_value) is a claim, if an unreadable one: it
+    has a separator with a direction after it ("speeches ran: higher"), a
+    statistic alone before it
     ("scene_words_mean is long", "speech_words_mean was lower"), or a
     direction alone before statistics ("Lower: dialogue_share, scene_words_cv").
     A next-steps bullet, even one naming a statistic ("- Bring speech_words_mean
     down."), is prose."""
-    split = _name_and_value(_BULLET.sub("", line))
     if split is None:
         return False
     name = "".join(textnorm.words_as_read(_ASIDE.sub(" ", split[0])))
     value = textnorm.words_as_read(split[1])
-    if _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(split[0]))):
+    if _direction_label(split[0]):
         return bool(_statistics_in(value))
     return name in _BY_READING or not set(value).isdisjoint(_DIRECTION_WORDS)
+
+
+def _direction_label(name: str) -> bool:
+    """The name side is only a direction for the model: "**Higher:**", "Lower in the model"."""
+    return _LABEL_DIRECTION.fullmatch(" ".join(textnorm.words_as_read(name))) is not None
 
 
 def _name_and_value(line: str) -> tuple[str, str] | None:
@@ -335,9 +341,12 @@ def _name_and_value(line: str) -> tuple[str, str] | None:
                 return cell, "|".join(cells[k + 1:])
         text = text.removeprefix("|")
     m = _SEPARATOR.search(text) or _DASH.search(text)
-    if m is None:
+    if m is None:  # "speech_words_mean was lower": cut after the name the line starts with
         tokens = re.findall(r"\S+", text)
-        for k in range(len(tokens), 0, -1):
+        first = "".join(textnorm.words_as_read(tokens[0])) if tokens else ""
+        if not first or not any(name.startswith(first) for name in _BY_READING):
+            return None  # prose: no name starts so (read once, not once a length)
+        for k in range(min(len(tokens), _NAME_WORDS), 0, -1):  # a name is no longer
             head = " ".join(tokens[:k])
             if "".join(textnorm.words_as_read(head)) in _BY_READING:
                 return head, " ".join(tokens[k:])
@@ -352,7 +361,7 @@ def _direction(value: str, meaning: dict[str, str]) -> str:
     value = _HUMAN_LABEL.sub(r"\1 ", value)
     outside = _ASIDE.sub(",", value)
     said = _said(outside, _PLAIN)  # a plain direction first: a synonym beside it is commentary
-    if not [d for d in said if d is not None]:
+    if all(d is None for d in said):
         said = _said(outside, meaning) or _said(value, meaning)
     if not said:
         return "the direction must be higher, lower or similar"
